@@ -1,0 +1,25 @@
+# quantpipe — the two commands a fresh machine needs:
+#   make demo    set up, build the tiny local models, run recipes/demo.yaml end to end
+#   make test    set up, build the tiny local models, run the test suite
+PY := .venv/quantize/bin/python
+QP := .venv/quantize/bin/quantpipe
+
+.PHONY: setup tiny demo test test-fast clean
+
+setup:
+	scripts/setup_envs.sh
+
+tiny: setup
+	$(PY) scripts/build_tiny.py
+
+demo: tiny
+	$(QP) run recipes/demo.yaml
+
+test: tiny
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+clean:
+	rm -rf out .pytest_cache

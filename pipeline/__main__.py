@@ -1,0 +1,3 @@
+from quantpipe.cli import main
+
+main()

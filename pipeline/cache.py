@@ -1,0 +1,203 @@
+"""Content-addressed stage cache with atomic commits.
+
+A stage's key hashes its config, the keys of the stages it reads, the content of external inputs
+(model, adapter, calibration files: hashed once, then memoized by path, size and mtime) and the
+environment lock it runs in. An entry is `<root>/stages/<stage>/<key>/` holding `out/` and a marker
+`entry.json` written last; it appears under its final name by one `rename`, so a reader sees a
+whole entry or none. The marker records every output file's size and sha256: `verify_entry`
+detects a truncated, deleted or flipped file, and the runner then rebuilds the entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+MARKER = "entry.json"
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_json(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def list_files(root: Path) -> list[Path]:
+    """Every regular file below root (following links to files), sorted, as relative paths."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        for name in sorted(filenames):
+            out.append((Path(dirpath) / name).relative_to(root))
+    return out
+
+
+class ContentHasher:
+    """sha256 of files and folders, memoized by (path, size, mtime_ns) in a small JSON file."""
+
+    def __init__(self, memo_path: Path):
+        self.memo_path = memo_path
+        try:
+            self.memo = json.loads(memo_path.read_text())
+        except (OSError, ValueError):
+            self.memo = {}
+        self.dirty = False
+
+    def file(self, path: Path) -> str:
+        path = Path(path).resolve()
+        st = path.stat()
+        k = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+        if k not in self.memo:
+            self.memo[k] = sha256_file(path)
+            self.dirty = True
+        return self.memo[k]
+
+    def tree(self, path: Path) -> str:
+        """Hash of a file, or of a folder's relative names and file contents."""
+        path = Path(path)
+        if path.is_file():
+            return self.file(path)
+        h = hashlib.sha256()
+        for rel in list_files(path):
+            if rel.parts[0] in (".git", ".cache") or rel.name.startswith(".nfs"):
+                continue
+            h.update(str(rel).encode() + b"\0" + self.file(path / rel).encode() + b"\n")
+        return h.hexdigest()
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        self.memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.memo_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(self.memo))
+        os.replace(tmp, self.memo_path)
+        self.dirty = False
+
+
+class StageCache:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def entry(self, stage: str, key: str) -> Path:
+        return self.root / "stages" / stage.replace(":", "/") / key
+
+    def lookup(self, stage: str, key: str) -> dict | None:
+        """The committed entry's marker, or None."""
+        marker = self.entry(stage, key) / MARKER
+        try:
+            return json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def begin(self, stage: str, key: str) -> Path:
+        """A fresh private working folder for building the entry; its `out/` is the stage's output."""
+        final = self.entry(stage, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = final.parent / f".{key}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+        (work / "out").mkdir(parents=True)
+        return work
+
+    def commit(self, work: Path, stage: str, key: str, meta: dict) -> dict:
+        """Record file hashes, write the marker last, fsync, and rename into place."""
+        out = work / "out"
+        files = {}
+        for rel in list_files(out):
+            p = out / rel
+            if p.is_symlink() and not p.exists():
+                raise OSError(f"dangling link in stage output: {rel}")
+            files[str(rel)] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        marker = {**meta, "stage": stage, "key": key, "files": files, "committed_at": time.time()}
+        _fsync_tree(out)
+        tmp = work / (MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(marker, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, work / MARKER)
+        final = self.entry(stage, key)
+        if final.exists():  # a stale or corrupt entry being rebuilt
+            trash = final.parent / f".{key}.old-{os.getpid()}-{time.monotonic_ns()}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(work, final)
+        _fsync_dir(final.parent)
+        return marker
+
+    def verify_entry(self, stage: str, key: str, marker: dict, full: bool = True) -> list[str]:
+        """Problems with a committed entry's files: missing, resized, or (full) changed content."""
+        out = self.entry(stage, key) / "out"
+        problems = []
+        for rel, rec in marker.get("files", {}).items():
+            p = out / rel
+            if not p.exists():
+                problems.append(f"{rel}: missing")
+            elif p.stat().st_size != rec["size"]:
+                problems.append(f"{rel}: size {p.stat().st_size} != recorded {rec['size']}")
+            elif full and sha256_file(p) != rec["sha256"]:
+                problems.append(f"{rel}: content changed (sha256 mismatch)")
+        recorded = set(marker.get("files", {}))
+        extra = [str(r) for r in list_files(out) if str(r) not in recorded] if out.exists() else []
+        problems += [f"{rel}: not written by the stage" for rel in extra]
+        return problems
+
+    def discard(self, stage: str, key: str) -> None:
+        final = self.entry(stage, key)
+        if final.exists():
+            trash = final.parent / f".{key}.bad-{os.getpid()}-{time.monotonic_ns()}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def sweep(self) -> None:
+        """Remove working folders left by runs that died (their pid is gone)."""
+        stages = self.root / "stages"
+        if not stages.exists():
+            return
+        for p in stages.glob("**/.*.tmp-*"):
+            try:
+                pid = int(p.name.split(".tmp-")[1].split("-")[0])
+            except (IndexError, ValueError):
+                continue
+            if not _alive(pid):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            p = Path(dirpath) / name
+            if p.is_symlink():
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))

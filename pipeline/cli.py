@@ -1,0 +1,161 @@
+"""quantpipe's command line.
+
+    quantpipe check recipes/demo.yaml       # validate, print the resolved recipe
+    quantpipe run recipes/demo.yaml --dry-run
+    quantpipe run recipes/demo.yaml         # merge -> quantize -> evaluate -> benchmark -> package -> report
+    quantpipe schema > recipe.schema.json
+    quantpipe verify out/demo/packages/awq
+    quantpipe compare RUN_A RUN_B
+
+Exit codes: 0 ok; 1 a stage or the run failed; 2 bad input (recipe, arguments); 3 a release gate
+or a comparison found a regression.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from .recipe import RecipeError, json_schema, load
+
+EXIT_USAGE, EXIT_GATE = 2, 3
+
+
+class BadInput(click.ClickException):
+    exit_code = EXIT_USAGE
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _load(path: str):
+    try:
+        return load(path)
+    except RecipeError as e:
+        raise BadInput(str(e)) from None
+
+
+def _csv(value: str | None) -> set[str] | None:
+    return {v.strip() for v in value.split(",") if v.strip()} if value else None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="quantpipe", message="quantpipe %(version)s")
+@click.option("-v", "--verbose", is_flag=True, help="Show the stages' own output (library logs, progress bars).")
+@click.pass_context
+def main(ctx, verbose):
+    """Build quantized LLM artifacts from a recipe, measured: merge, quantize, validate, benchmark, package."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("quantpipe").setLevel(logging.INFO)
+    ctx.obj = {"verbose": verbose}
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+def check(recipe):
+    """Validate RECIPE without running anything; print it resolved, with defaults."""
+    r = _load(recipe)
+    click.echo(json.dumps(r.model_dump(mode="json"), indent=2))
+    click.echo(f"{recipe}: OK ({len(r.artifacts)} artifact(s): {', '.join(a.name for a in r.artifacts)})", err=True)
+
+
+@main.command()
+def schema():
+    """Print the recipe's JSON schema (for editor completion)."""
+    click.echo(json.dumps(json_schema(), indent=2))
+
+
+STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark, package) or stage ids (quantize:awq); 'all' for every stage."
+
+
+@main.command()
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--dry-run", is_flag=True, help="Print the plan (stages, cache hit/miss, environment) and write nothing.")
+@click.option("--force", "force", default=None, help="Rebuild these stages even if cached. " + STAGE_HELP)
+@click.option("--stages", default=None, help="Run only these stage kinds (and what they need). " + STAGE_HELP)
+@click.option("--artifacts", default=None, help="Build only these artifacts (comma-separated names).")
+@click.option("--wait", is_flag=True, help="If another run holds the output directory, wait for it instead of failing.")
+@click.pass_context
+def run(ctx, recipe, dry_run, force, stages, artifacts, wait):
+    """Run RECIPE's stages, reusing every cached one."""
+    from .envs import EnvError
+    from .runner import KINDS, Runner, RunError
+
+    r = _load(recipe)
+    kinds = _csv(stages)
+    if kinds and not kinds <= set(KINDS):
+        raise BadInput(f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}")
+    forced = _csv(force) or set()
+    bad = {f for f in forced if f != "all" and f.split(":")[0] not in KINDS}
+    if bad:
+        raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
+    console = _console()
+    runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"])
+    try:
+        if dry_run:
+            from rich.table import Table
+
+            rows = runner.dry_run(forced, kinds, _csv(artifacts))
+            t = Table(title=f"plan for {recipe} (nothing written)")
+            for col in ("stage", "env", "key", "cache"):
+                t.add_column(col)
+            for row in rows:
+                t.add_row(row["stage"], row["env"], row["key"], row["cache"])
+            console.print(t)
+            return
+        code = runner.run(forced, kinds, _csv(artifacts), wait=wait)
+    except RunError as e:
+        raise BadInput(str(e)) from None
+    except EnvError as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: running stages were stopped; committed stages stay cached", err=True)
+        sys.exit(130)
+    sys.exit(code)
+
+
+@main.command()
+@click.argument("package_dir", type=click.Path(file_okay=False))
+def verify(package_dir):
+    """Re-hash every file of a package against its manifest.json; exit 1 naming any mismatch."""
+    from .stages.package import verify_package
+
+    problems = verify_package(Path(package_dir))
+    if problems:
+        for p in problems:
+            click.echo(f"MISMATCH {p}", err=True)
+        raise click.ClickException(f"{package_dir}: {len(problems)} problem(s); the package is not as it was built")
+    click.echo(f"{package_dir}: OK, every file matches manifest.json")
+
+
+@main.command()
+@click.argument("run_a", type=click.Path())
+@click.argument("run_b", type=click.Path(), required=False)
+@click.option("--against", type=click.Choice(["last-good"]), default=None, help="Compare RUN_A with the last good run in its output directory.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+def compare(run_a, run_b, against, as_json):
+    """Compare two runs (run directories or run.json files): accuracy and latency deltas, noise-aware. Exit 3 on regression."""
+    from .report import CompareError, compare_runs
+
+    if (run_b is None) == (against is None):
+        raise BadInput("give RUN_B, or --against last-good")
+    try:
+        result = compare_runs(Path(run_a), Path(run_b) if run_b else None, against=against)
+    except CompareError as e:
+        raise BadInput(str(e)) from None
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(result["text"])
+    sys.exit(EXIT_GATE if result["regression"] else 0)
+
+
+if __name__ == "__main__":
+    main()

