@@ -14,13 +14,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 HOME_DIR="${QUANTPIPE_HOME:-$HOME/.cache/quantpipe}"
 PY="${PYTHON:-python3}"
+BUILD=2
 envs=("${@:-quantize}")
 [ $# -eq 0 ] && envs=(quantize serve)
 
 build() {
   local env=$1 lock=scripts/envs/$1.lock
   local hash
-  hash=$( (cat "$lock" scripts/setup_envs.sh; "$PY" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
+  # Keyed by the lock, the interpreter and BUILD (bump it when the build steps below change).
+  hash=$( (cat "$lock"; echo "$BUILD"; "$PY" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-12)
   local dir="$HOME_DIR/envs/$env-$hash"
   if [ ! -f "$dir/.complete" ]; then
     echo "==> building the $env environment in $dir (first time only, a few minutes)"

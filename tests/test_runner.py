@@ -1,0 +1,204 @@
+"""Planning, cache keys and run bookkeeping. Fast tests use fake model folders; slow ones run real stages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from filelock import FileLock
+
+from quantpipe.cache import ContentHasher
+from quantpipe.cli import main
+from quantpipe.recipe import parse
+from quantpipe.runner import build_steps, compute_keys, select
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake(tmp_path):
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_text("{}")
+    (m / "model.safetensors").write_bytes(b"\1" * 16)
+    a = tmp_path / "adapter"
+    a.mkdir()
+    (a / "adapter_config.json").write_text("{}")
+    (a / "adapter_model.safetensors").write_bytes(b"\2" * 16)
+    (tmp_path / "cal.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "val.jsonl").write_text('{"prompt": "p", "reference": "r"}\n')
+    return tmp_path
+
+
+def recipe_dict():
+    return {
+        "name": "t", "output_dir": "out", "cache_dir": "cache",
+        "base": {"model": "model"}, "adapters": [{"path": "adapter"}],
+        "calibration": {"sources": [{"path": "cal.jsonl"}], "num_samples": 4},
+        "artifacts": [{"name": "a", "method": "awq"}, {"name": "f", "method": "fp8"}],
+        "evaluation": {"validation": {"path": "val.jsonl"}},
+        "benchmark": {"concurrency": [1, 2]},
+    }
+
+
+def keys(root, d):
+    r = parse(yaml.safe_dump(d), root)
+    steps = build_steps(r, r.base.model)
+    compute_keys(steps, r, r.base.model, ContentHasher(root / "memo.json"))
+    return {s.id: s.key for s in steps}
+
+
+def changed(before, after):
+    return sorted(k for k in before if before[k] != after.get(k))
+
+
+def test_plan_order(fake):
+    r = parse(yaml.safe_dump(recipe_dict()), fake)
+    ids = [s.id for s in build_steps(r, r.base.model)]
+    assert ids == ["merge", "evaluate:baseline", "benchmark:baseline",
+                   "quantize:a", "evaluate:a", "benchmark:a", "package:a",
+                   "quantize:f", "evaluate:f", "benchmark:f", "package:f"]
+
+
+def test_benchmark_change_reruns_only_benchmark_and_package(fake):
+    d = recipe_dict()
+    k1 = keys(fake, d)
+    d["benchmark"]["concurrency"] = [1, 8]
+    k2 = keys(fake, d)
+    assert changed(k1, k2) == ["benchmark:a", "benchmark:baseline", "benchmark:f", "package:a", "package:f"]
+
+
+def test_gates_change_reruns_nothing(fake):
+    d = recipe_dict()
+    k1 = keys(fake, d)
+    d["evaluation"]["gates"] = {"min_recovery": 0.99}
+    assert changed(k1, keys(fake, d)) == ["package:a", "package:f"]  # the card states the gates
+
+
+def test_artifact_change_touches_only_that_artifact(fake):
+    d = recipe_dict()
+    k1 = keys(fake, d)
+    d["artifacts"][0]["group_size"] = 64
+    assert changed(k1, keys(fake, d)) == ["benchmark:a", "evaluate:a", "package:a", "quantize:a"]
+
+
+def test_input_content_change_invalidates_downstream(fake):
+    d = recipe_dict()
+    k1 = keys(fake, d)
+    (fake / "adapter" / "adapter_model.safetensors").write_bytes(b"\3" * 16)
+    assert changed(k1, keys(fake, d)) == sorted(k1)  # everything descends from the merge
+    k2 = keys(fake, d)
+    (fake / "cal.jsonl").write_text('{"text": "y"}\n')
+    assert changed(k2, keys(fake, d)) == ["benchmark:a", "benchmark:f", "evaluate:a", "evaluate:f", "package:a", "package:f", "quantize:a", "quantize:f"]
+
+
+def test_select_pulls_in_dependencies(fake):
+    r = parse(yaml.safe_dump(recipe_dict()), fake)
+    steps = build_steps(r, r.base.model)
+    ids = [s.id for s in select(steps, {"quantize"}, None)]
+    assert ids == ["merge", "quantize:a", "quantize:f"]
+    ids = [s.id for s in select(steps, {"package"}, {"f"})]
+    assert ids == ["merge", "evaluate:baseline", "benchmark:baseline", "quantize:f", "evaluate:f", "benchmark:f", "package:f"]
+
+
+def test_second_run_on_the_same_output_fails_clearly(fake):
+    path = fake / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict()))
+    (fake / "out").mkdir()
+    with FileLock(str(fake / "out" / ".quantpipe.lock")):
+        res = CliRunner().invoke(main, ["run", str(path)])
+    assert res.exit_code == 2 and "another quantpipe run is using" in res.output and "--wait" in res.output
+    assert not (fake / "out" / "runs").exists()
+
+
+def test_unknown_artifact_and_stage_are_usage_errors(fake):
+    path = fake / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict()))
+    res = CliRunner().invoke(main, ["run", "--dry-run", "--artifacts", "zzz", str(path)])
+    assert res.exit_code == 2 and "no artifact named zzz" in res.output
+    res = CliRunner().invoke(main, ["run", "--stages", "quantise", str(path)])
+    assert res.exit_code == 2 and "unknown stage kind" in res.output
+
+
+# --- real stages (slow) -------------------------------------------------------------------------
+
+
+def small_recipe(tiny, tmp_path, **over):
+    d = {
+        "name": "rt", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
+        "base": {"model": str(tiny.llama)}, "adapters": [{"path": str(tiny.llama_lora)}],
+        "artifacts": [{"name": "fp8", "method": "fp8"}],
+        "benchmark": {"enabled": False}, "package": {"enabled": False},
+    }
+    d.update(over)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "quantpipe", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
+
+
+@pytest.mark.slow
+def test_rerun_is_all_cache_hits_and_corruption_is_rebuilt(tiny, tmp_path):
+    recipe = small_recipe(tiny, tmp_path)
+    first = run_cli("run", str(recipe))
+    assert first.returncode == 0, first.stderr
+    runs = sorted((tmp_path / "out" / "runs").glob("*/run.json"))
+    rec = json.loads(runs[-1].read_text())
+    assert rec["status"] == "ok"
+    assert {k: v["cache"] for k, v in rec["stages"].items()} == {"merge": "miss", "quantize:fp8": "miss"}
+    assert rec["stages"]["merge"]["metrics"]["merge_max_abs_diff"] < 1e-2
+    assert rec["versions"]["quantize"]["llmcompressor"] == "0.14.0.1"
+
+    dry = run_cli("run", "--dry-run", str(recipe))
+    assert dry.returncode == 0 and dry.stdout.count("hit") + dry.stderr.count("hit") >= 2
+
+    second = run_cli("run", str(recipe))
+    assert second.returncode == 0, second.stderr
+    rec2 = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
+    assert {v["cache"] for v in rec2["stages"].values()} == {"hit"}
+
+    # flip a byte in the cached quantized weights: detected on use, rebuilt, warned about
+    out = Path(rec2["stages"]["quantize:fp8"]["out"])
+    st = next(out.glob("*.safetensors"))
+    data = bytearray(st.read_bytes())
+    data[-1] ^= 0xFF
+    st.write_bytes(bytes(data))
+    third = run_cli("run", str(recipe))
+    assert third.returncode == 0, third.stderr
+    assert "corrupt" in third.stderr and "quantize:fp8" in third.stderr
+    rec3 = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
+    assert rec3["stages"]["merge"]["cache"] == "hit" and rec3["stages"]["quantize:fp8"]["cache"] == "rebuilt"
+
+    forced = run_cli("run", "--force", "merge", "--stages", "merge", str(recipe))
+    assert forced.returncode == 0
+    rec4 = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
+    assert list(rec4["stages"]) == ["merge"] and rec4["stages"]["merge"]["cache"] == "forced"
+    index = [json.loads(x) for x in (tmp_path / "out" / "runs" / "index.jsonl").read_text().splitlines()]
+    assert len(index) == 4 and all(i["status"] == "ok" for i in index)
+
+
+@pytest.mark.slow
+def test_failed_stage_reports_its_log_and_keeps_others(tiny, tmp_path):
+    """A stage that crashes names itself and its log tail; the other artifacts still complete."""
+    cal = tmp_path / "cal.jsonl"
+    cal.write_text('{"text": "ok"}\n{"nottext": 1}\n')
+    recipe = small_recipe(
+        tiny, tmp_path,
+        calibration={"sources": [{"path": str(cal)}], "num_samples": 2, "max_seq_len": 32},
+        artifacts=[{"name": "fp8", "method": "fp8"}, {"name": "gptq", "method": "gptq"}],
+        adapters=[],
+    )
+    res = run_cli("run", str(recipe))
+    assert res.returncode == 1
+    rec = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
+    assert rec["stages"]["quantize:fp8"]["status"] == "ok"
+    bad = rec["stages"]["quantize:gptq"]
+    assert bad["status"] == "failed" and "cal.jsonl" in bad["error"] and Path(bad["log"]).is_file()
+    assert "quantize:gptq" in res.stderr
