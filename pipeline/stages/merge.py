@@ -1,0 +1,395 @@
+"""Merge stage: fold the recipe's LoRA adapters into the base model, and prove the merge is exact.
+
+Every adapter is checked against the base before anything heavy loads (peft type, the modules it
+targets, the shapes in adapter_model.safetensors, the architecture it was trained on), so an adapter
+made for another model fails with a sentence naming it instead of a size-mismatch traceback. The
+merge runs in float32 with peft (`merge_and_unload`), several adapters scaled by their `weight`;
+then the logits of the merged model are compared with those of base + adapter (unmerged peft
+model) on a few fixed prompts. Output: safetensors in `recipe.base.dtype`, tokenizer, chat template
+and generation config; never an adapter_config.json. Without adapters the base passes through as
+symlinks (no weights are copied). Run it alone through the CLI:
+
+    quantpipe run recipes/demo.yaml --stages merge
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from quantpipe.recipe import Recipe
+from quantpipe.stages import StageError
+
+log = logging.getLogger(__name__)
+
+# Merged and unmerged logits may differ by float32 rounding only. peft computes W x + s·B(A x)
+# unmerged and (W + s·B A) x merged: the same sums reassociated, ~1e-7 relative per layer (measured
+# 4e-6 absolute on the tiny models, logits ~20). A tolerance of 1e-3 of the logit scale leaves three
+# orders of margin for deep models, and is still far below what a wrong merge gives (a dropped
+# scale, a transposed or missing delta moves logits by the adapter's own effect, order 0.1-10).
+MERGE_RTOL = 1e-3
+PROBE_TEXTS = (
+    "The capital of France is Paris, and the capital of Italy is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Once upon a time, a small robot woke up in a quiet workshop and",
+)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def run(recipe: Recipe, src: Path, out: Path, base_dir: str | Path | None = None, **_) -> dict:
+    """Merge `recipe.adapters` into the model in `src`, writing the merged model to `out`."""
+    src, out = Path(src), Path(out)
+    if (src / "adapter_config.json").is_file():
+        raise StageError(
+            f"base.model {src} is a LoRA adapter, not a model; set base.model to the model it was trained on "
+            f"and list {src} under adapters:"
+        )
+    if not (src / "config.json").is_file():
+        raise StageError(f"base.model {src} has no config.json; point base.model at a Hugging Face model directory")
+    if not recipe.adapters:
+        return _pass_through(recipe, src, out)
+
+    import torch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(src, trust_remote_code=recipe.base.trust_remote_code)
+    tok_src = _tokenizer_source(recipe, src)
+    tokenizer = _load_tokenizer(tok_src, recipe)
+    vocab = cfg.get_text_config().vocab_size
+    if tokenizer is not None and tok_src != src:  # an adapter that ships its own tokenizer may have added tokens
+        vocab = max(vocab, len(tokenizer))
+    adapters = [_check_adapter(i, a.path, a.weight, recipe, src, cfg, vocab) for i, a in enumerate(recipe.adapters)]
+
+    model = _load_base(recipe, src)
+    if vocab > model.get_input_embeddings().weight.shape[0]:
+        # The adapter's tokenizer added tokens (and the adapter carries the resized embeddings).
+        model.resize_token_embeddings(vocab)
+    probes = _probe_ids(tokenizer, model.config)
+    base_logits = _logits(model, probes)
+
+    peft_model = _apply_adapters(model, adapters)
+    unmerged = _logits(peft_model, probes)
+    merged = peft_model.merge_and_unload(safe_merge=True, adapter_names=[a["name"] for a in adapters])
+    merged_logits = _logits(merged, probes)
+
+    scale = max(max(t.abs().max().item() for t in unmerged), 1.0)
+    diff = max((u - m).abs().max().item() for u, m in zip(unmerged, merged_logits))
+    shift = max((u - b).abs().max().item() for u, b in zip(unmerged, base_logits))
+    if not diff <= MERGE_RTOL * scale:  # also catches NaN
+        raise StageError(
+            f"the merged model does not reproduce base + adapter: logits differ by {diff:.3g} (tolerance "
+            f"{MERGE_RTOL * scale:.3g}); the adapter type or its target modules are not merged correctly by peft "
+            f"{_version('peft')}. Check the adapters' adapter_config.json (use_dora, fan_in_fan_out, modules_to_save)."
+        )
+    if any(k.startswith(("base_model", "peft")) or "lora_" in k for k in merged.state_dict()):
+        raise StageError("the merged model still holds LoRA weights after merge_and_unload; this peft version cannot merge these adapters")
+
+    dtype = getattr(torch, recipe.base.dtype)
+    merged = merged.to(dtype)
+    merged.config.dtype = dtype
+    merged.save_pretrained(out, max_shard_size="5GB")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    _copy_chat_template(tok_src, out)
+    leaked = [p.name for p in out.iterdir() if p.name.startswith("adapter_") or p.suffix in PICKLE_SUFFIXES]
+    if leaked:
+        raise StageError(f"merge wrote {', '.join(leaked)} into the merged model; this is a bug in quantpipe's merge stage")
+
+    metrics = {
+        "n_adapters": len(adapters),
+        "merge_max_abs_diff": diff,
+        "merge_tolerance": MERGE_RTOL * scale,
+        "adapter_logit_shift": shift,
+        "params": sum(p.numel() for p in merged.parameters()),
+        "size_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
+        "dtype": recipe.base.dtype,
+        "adapters": [{k: a[k] for k in ("path", "weight", "r", "lora_alpha", "target_modules", "base_model_name_or_path")} for a in adapters],
+        "tokenizer_from": str(tok_src),
+    }
+    if shift < 1e-6:
+        metrics["status_note"] = "the adapters do not change the logits (untrained or zero-weight adapters?)"
+    log.info("merged %d adapter(s): max |merged - unmerged| = %.3g, adapter shift %.3g", len(adapters), diff, shift)
+    return metrics
+
+
+# --- pass-through ---------------------------------------------------------------------------
+
+
+def _pass_through(recipe: Recipe, src: Path, out: Path) -> dict:
+    """No adapters: `out` mirrors `src` with absolute symlinks, so no weights are copied."""
+    has_st = any(src.glob("*.safetensors"))
+    n = 0
+    for root, dirs, files in os.walk(src):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        rel = Path(root).relative_to(src)
+        for f in sorted(files):
+            if f.startswith(".") or (f.endswith(PICKLE_SUFFIXES) and (has_st or not recipe.base.allow_pickle)):
+                continue
+            (out / rel).mkdir(parents=True, exist_ok=True)
+            os.symlink(os.path.realpath(Path(root) / f), out / rel / f)
+            n += 1
+    weights = sorted(out.glob("*.safetensors"))
+    if not weights and not recipe.base.allow_pickle:
+        raise StageError(f"base.model {src} holds no *.safetensors weights; convert them, or set base.allow_pickle: true if you trust its .bin files")
+    cfg = json.loads((src / "config.json").read_text())
+    text_cfg = cfg.get("text_config", cfg)
+    return {
+        "n_adapters": 0,
+        "merge_max_abs_diff": None,
+        "adapter_logit_shift": None,
+        "params": _count_params(weights),
+        "size_bytes": sum(p.stat().st_size for p in weights),
+        "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or text_cfg.get("dtype") or text_cfg.get("torch_dtype"),
+        "linked_files": n,
+        "status_note": "no adapters: base passed through (symlinks)",
+    }
+
+
+def _count_params(files: list[Path]) -> int | None:
+    """Parameter count from the safetensors headers (no tensor is read)."""
+    total = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n > 100 << 20:
+                return None
+            header = json.loads(fh.read(n))
+        for k, v in header.items():
+            if k != "__metadata__":
+                c = 1
+                for d in v["shape"]:
+                    c *= d
+                total += c
+    return total
+
+
+# --- adapters -------------------------------------------------------------------------------
+
+
+def _check_adapter(i: int, path: str, weight: float, recipe: Recipe, src: Path, cfg, vocab: int) -> dict:
+    """Read an adapter's config and tensor shapes and check them against the base, before loading."""
+    p = Path(path)
+    where = f"adapters[{i}] ({p})"
+    conf_path = p / "adapter_config.json"
+    if not conf_path.is_file():
+        raise StageError(f"{where} has no adapter_config.json; point adapters[{i}].path at a PEFT LoRA adapter directory")
+    try:
+        conf = json.loads(conf_path.read_text())
+    except json.JSONDecodeError as e:
+        raise StageError(f"{where}: adapter_config.json is not valid JSON ({e}); re-save the adapter with peft") from None
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise StageError(f"{where} is a {conf.get('peft_type')} adapter; quantpipe merges LoRA adapters only (peft_type LORA)")
+    st = p / "adapter_model.safetensors"
+    if not st.is_file():
+        if (p / "adapter_model.bin").is_file() and not recipe.base.allow_pickle:
+            raise StageError(f"{where} has only a pickle adapter_model.bin; convert it to safetensors or set base.allow_pickle: true if you trust it")
+        if not (p / "adapter_model.bin").is_file():
+            raise StageError(f"{where} has no adapter_model.safetensors")
+
+    base_name = conf.get("base_model_name_or_path")
+    _check_architecture(where, base_name, src, cfg)
+    if st.is_file():
+        _check_shapes(where, st, recipe, cfg, vocab)
+    return {
+        "name": f"adapter_{i}", "path": str(p), "weight": weight, "r": conf.get("r"), "lora_alpha": conf.get("lora_alpha"),
+        "target_modules": conf.get("target_modules"), "base_model_name_or_path": base_name,
+    }
+
+
+ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def _check_architecture(where: str, base_name: str | None, src: Path, cfg) -> None:
+    """Where the adapter names a local base model, it must be the same architecture as ours."""
+    if not base_name or not (Path(base_name) / "config.json").is_file():
+        return  # a hub id or nothing: the shape check below is all we can do offline
+    if Path(base_name).resolve() == src.resolve():
+        return
+    theirs = json.loads((Path(base_name) / "config.json").read_text())
+    ours = cfg.to_dict()
+    t_txt, o_txt = theirs.get("text_config", theirs), ours.get("text_config", ours)
+    problems = []
+    if theirs.get("model_type") != ours.get("model_type"):
+        problems.append(f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}")
+    for k in ARCH_FIELDS:
+        if k in t_txt and k in o_txt and t_txt[k] != o_txt[k] and k != "vocab_size":
+            problems.append(f"{k} {t_txt[k]} vs {o_txt[k]}")
+    if problems:
+        arch = (theirs.get("architectures") or [theirs.get("model_type")])[0]
+        raise StageError(
+            f"{where} was trained on {base_name} ({arch}), which differs from base.model {src} "
+            f"({'; '.join(problems)}); set base.model to the model the adapter was trained on, or use an adapter trained on this base"
+        )
+
+
+LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?$")
+
+
+def _check_shapes(where: str, st: Path, recipe: Recipe, cfg, vocab: int) -> None:
+    """Every tensor in adapter_model.safetensors must fit a module of the base model."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        try:
+            meta = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.base.trust_remote_code)
+        except ValueError as e:
+            raise StageError(f"base.model: transformers cannot build this architecture ({e}); set base.trust_remote_code: true if the model ships its own code and you trust it") from None
+    if vocab > meta.get_input_embeddings().weight.shape[0]:
+        meta.resize_token_embeddings(vocab)
+    modules = dict(meta.named_modules())
+    params = dict(meta.named_parameters())
+    wrong: list[str] = []
+    missing: list[str] = []
+    with safe_open(st, framework="pt") as f:
+        for key in f.keys():
+            shape = tuple(f.get_slice(key).get_shape())
+            m = LORA_KEY.match(key)
+            if m is None:  # modules_to_save: full tensors that replace the base's
+                name = key.removeprefix("base_model.model.")
+                if name not in params:
+                    missing.append(name)
+                elif tuple(params[name].shape) != shape:
+                    wrong.append(f"{name}: adapter {list(shape)} vs base {list(params[name].shape)}")
+                continue
+            mod = modules.get(m["module"])
+            if mod is None:
+                missing.append(m["module"])
+                continue
+            w = getattr(mod, "weight", None)
+            if w is None:
+                continue
+            if isinstance(mod, torch.nn.Embedding):
+                n_in, n_out = mod.num_embeddings, mod.embedding_dim
+            elif hasattr(mod, "in_features"):
+                n_in, n_out = mod.in_features, mod.out_features
+            elif w.dim() == 2:  # Conv1D-style (in, out)
+                n_in, n_out = w.shape[0], w.shape[1]
+            else:
+                continue
+            kind = m["kind"]
+            ok = (
+                (kind in ("lora_A",) and shape[-1] == n_in)
+                or (kind == "lora_B" and shape[0] == n_out)
+                or (kind == "lora_embedding_A" and shape[-1] == n_in)
+                or (kind == "lora_embedding_B" and shape[0] == n_out)
+                or (kind == "lora_magnitude_vector" and shape[0] == n_out)
+            )
+            if not ok:
+                wrong.append(f"{m['module']}.{kind}: adapter {list(shape)} vs base layer in={n_in} out={n_out}")
+    if missing or wrong:
+        arch = (cfg.architectures or [cfg.model_type])[0]
+        detail = "; ".join(([f"modules missing in the base: {', '.join(sorted(set(missing))[:4])}"] if missing else []) + wrong[:3])
+        raise StageError(
+            f"{where} does not fit base.model ({arch}, hidden_size {getattr(cfg.get_text_config(), 'hidden_size', '?')}): {detail}. "
+            "It was trained for a different model; set base.model to the model it was trained on, or use an adapter trained on this base"
+        )
+
+
+def _apply_adapters(model, adapters: list[dict]):
+    """Load every adapter into one peft model, scale each by its weight, and activate them all."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = None
+    for a in adapters:
+        try:
+            if peft_model is None:
+                peft_model = PeftModel.from_pretrained(model, a["path"], adapter_name=a["name"])
+            else:
+                peft_model.load_adapter(a["path"], adapter_name=a["name"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            msg = str(e).strip().splitlines()
+            hint = "it was trained for a different model" if "size mismatch" in str(e) or "not found" in str(e) else "peft cannot load it"
+            raise StageError(
+                f"adapter {a['path']} cannot be applied to base.model: {hint} ({msg[0][:300] if msg else type(e).__name__}). "
+                "Set base.model to the model it was trained on, or use an adapter trained on this base"
+            ) from None
+        if a["weight"] != 1.0:
+            for module in peft_model.modules():
+                if isinstance(module, LoraLayer) and a["name"] in module.scaling:
+                    module.scaling[a["name"]] *= a["weight"]
+    peft_model.base_model.set_adapter([a["name"] for a in adapters])
+    peft_model.eval()
+    return peft_model
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _load_base(recipe: Recipe, src: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch.float32, "trust_remote_code": recipe.base.trust_remote_code}
+    if not recipe.base.allow_pickle:
+        kwargs["use_safetensors"] = True
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    except (OSError, ValueError) as e:
+        raise StageError(f"base.model {src} cannot be loaded: {str(e).splitlines()[0][:300]}") from None
+    return model.eval()
+
+
+def _tokenizer_source(recipe: Recipe, src: Path) -> Path:
+    """The last adapter that ships a tokenizer (it may add tokens or a chat template), else the base."""
+    for a in reversed(recipe.adapters):
+        if any((Path(a.path) / f).is_file() for f in TOKENIZER_FILES):
+            return Path(a.path)
+    return src
+
+
+def _load_tokenizer(path: Path, recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.base.trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        log.warning("no usable tokenizer in %s (%s); the merged model is saved without one", path, e)
+        return None
+
+
+def _copy_chat_template(tok_src: Path, out: Path) -> None:
+    """Keep a chat template the tokenizer did not write itself (e.g. a separate chat_template.json)."""
+    import shutil
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (tok_src / name).is_file() and not (out / name).exists():
+            shutil.copyfile(tok_src / name, out / name)
+
+
+def _probe_ids(tokenizer, config) -> list[list[int]]:
+    """A few fixed prompts (one through the chat template where there is one), as token ids."""
+    vocab = config.get_text_config().vocab_size
+    if tokenizer is None:
+        return [[(17 * i + 3) % vocab for i in range(n)] for n in (12, 24, 36)]
+    texts = list(PROBE_TEXTS)
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            texts.append(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True))
+        except Exception as e:  # a template that needs other roles or fields: the plain prompts suffice
+            log.info("chat template not used for the merge check: %s", e)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:64] for t in texts]
+    return [i for i in ids if i]
+
+
+def _logits(model, probes: list[list[int]]):
+    import torch
+
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([ids])).logits[0].float() for ids in probes]
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
