@@ -32,7 +32,7 @@ class BadInput(click.ClickException):
 def _console():
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _load(path: str):
@@ -52,7 +52,9 @@ def _csv(value: str | None) -> set[str] | None:
 @click.pass_context
 def main(ctx, verbose):
     """Build quantized LLM artifacts from a recipe, measured: merge, quantize, validate, benchmark, package."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for h in logging.root.handlers:  # the console shows warnings; run.log (runner) gets everything
+        h.setLevel(logging.INFO if verbose else logging.WARNING)
     logging.getLogger("quantpipe").setLevel(logging.INFO)
     ctx.obj = {"verbose": verbose}
 
