@@ -148,6 +148,7 @@ class RTN(_Artifact):
     method: Literal["rtn"]
     bits: Literal[4, 8] = 4
     group_size: Literal[32, 64, 128, 256] = 128
+    symmetric: bool = Field(True, description="Symmetric (W4A16) or with zero points (W4A16_ASYM: the like-for-like reference for AWQ's default).")
 
 
 Artifact = Annotated[Union[AWQ, GPTQ, FP8, W8A8Int8, RTN], Field(discriminator="method")]
@@ -172,6 +173,7 @@ class Validation(Strict):
     path: str = Field(description="JSONL with `prompt` (or chat `messages`) and `reference` per row.")
     metric: Literal["exact_match", "contains", "regex", "json_valid"] = "exact_match"
     max_new_tokens: int = Field(32, ge=1, le=4096)
+    stop: list[str] = Field(default_factory=list, description="Cut each output at the first of these strings (e.g. [\"\\n\"]) before scoring.")
     json_schema: str | None = Field(None, description="JSON schema file the output must match (metric json_valid).")
 
 
@@ -185,6 +187,9 @@ class Gates(Strict):
 class Evaluation(Strict):
     lm_eval: LmEval | None = None
     validation: Validation | None = None
+    add_bos: bool | None = Field(
+        None, description="Prepend BOS to raw-text prompts (lm-eval, validation, fidelity). None: the tokenizer's own rule, as vLLM and lm-eval do."
+    )
     gates: Gates = Gates()
     bootstrap_samples: int = Field(1000, ge=100, le=100_000)
 

@@ -1,0 +1,271 @@
+"""Quantize stage: the merged model -> one compressed-tensors artifact, with llm-compressor's `oneshot`.
+
+Each artifact of the recipe becomes a directory that vLLM loads as it is (it reads the
+`quantization_config` that compressed-tensors writes into config.json) and transformers decompresses
+on load. The llm-compressor recipe actually applied is saved beside the weights twice: `recipe.yaml`
+as llm-compressor writes it (it holds `!!python/tuple`, so `yaml.safe_load` cannot read it) and
+`llmcompressor_recipe.json`, plain JSON. `calibration.json` records which samples were used and their
+hash. Tokenizer, chat template and generation config are copied from the merged model.
+
+    from quantpipe.recipe import load
+    from quantpipe.stages.quantize import run
+    run(load("recipes/demo.yaml"), Path(".tiny/llama-merged"), Path("/tmp/gptq"), artifact="gptq-w4")
+
+Methods: awq (AWQModifier + W4A16[_ASYM]), gptq (GPTQModifier W4A16/W8A16), fp8 (FP8_DYNAMIC,
+static FP8, FP8_BLOCK), w8a8-int8 (SmoothQuant + GPTQ W8A8), rtn (QuantizationModifier W4A16/W8A16,
+no data: the reference the calibrated methods must beat).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ..recipe import Recipe
+from . import StageError
+
+log = logging.getLogger(__name__)
+
+# Copied verbatim from the merged model: what a user of the artifact needs besides the weights.
+SIDE_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+LEGACY_BACKENDS = {"autoawq", "gptqmodel"}
+
+
+def artifact_config(recipe: Recipe, name: str):
+    for a in recipe.artifacts:
+        if a.name == name:
+            return a
+    raise StageError(f"no artifact named {name!r} in the recipe; it has {', '.join(a.name for a in recipe.artifacts)}")
+
+
+def scheme_name(a) -> str:
+    """The compressed-tensors preset an artifact uses (for metrics and reports)."""
+    if a.method == "awq":
+        return "W4A16" if a.symmetric else "W4A16_ASYM"
+    if a.method == "gptq":
+        return f"W{a.bits}A16"
+    if a.method == "rtn":
+        return f"W{a.bits}A16" + ("" if a.symmetric else "_ASYM")
+    if a.method == "fp8":
+        return {"dynamic": "FP8_DYNAMIC", "static": "FP8", "block": "FP8_BLOCK"}[a.mode]
+    return "W8A8"
+
+
+def needs_calibration(a) -> bool:
+    return not (a.method == "rtn" or (a.method == "fp8" and a.mode != "static"))
+
+
+def _weight_only_groups(bits: int, symmetric: bool, targets: list[str], group_size: int | None) -> dict:
+    """W4A16/W8A16 with the recipe's symmetry and group size (None: one scale per output channel)."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    w = PRESET_SCHEMES[f"W{bits}A16"]["weights"].model_dump()
+    w.update(symmetric=symmetric)
+    w.update(strategy="group", group_size=group_size) if group_size else w.update(strategy="channel", group_size=None)
+    return {"group_0": QuantizationScheme(targets=list(targets), weights=QuantizationArgs.model_validate(w))}
+
+
+def build_modifiers(a) -> list:
+    """The llm-compressor modifiers for an artifact, in the order they apply."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    common = {"targets": list(a.targets), "ignore": list(a.ignore)}
+    if a.method == "awq":
+        from llmcompressor.modifiers.transform import AWQModifier
+
+        # mappings left unset: llm-compressor picks its registered ones for the architecture
+        # (LlamaForCausalLM, Qwen2ForCausalLM... -> default_mappings) and logs when it falls back
+        return [
+            AWQModifier(duo_scaling=a.duo_scaling, n_grid=a.n_grid),
+            QuantizationModifier(config_groups=_weight_only_groups(4, a.symmetric, a.targets, a.group_size), ignore=list(a.ignore)),
+        ]
+    if a.method == "gptq":
+        return [GPTQModifier(
+            config_groups=_weight_only_groups(a.bits, True, a.targets, a.group_size), ignore=list(a.ignore),
+            actorder=a.actorder, dampening_frac=a.dampening_frac, block_size=a.block_size,
+        )]
+    if a.method == "rtn":
+        return [QuantizationModifier(config_groups=_weight_only_groups(a.bits, a.symmetric, a.targets, a.group_size), ignore=list(a.ignore))]
+    if a.method == "fp8":
+        return [QuantizationModifier(scheme=scheme_name(a), **common)]
+    if a.method == "w8a8-int8":
+        from llmcompressor.modifiers.transform import SmoothQuantModifier
+
+        return [
+            SmoothQuantModifier(smoothing_strength=a.smoothing_strength),
+            GPTQModifier(scheme="W8A8", dampening_frac=a.dampening_frac, **common),
+        ]
+    raise StageError(f"unknown quantization method {a.method!r}")
+
+
+def oneshot_kwargs(a, recipe: Recipe, model, tokenizer, dataset) -> dict:
+    """Everything handed to `oneshot` (the bench script calls it bare with exactly these)."""
+    kw: dict[str, Any] = {"model": model, "recipe": build_modifiers(a), "tokenizer": tokenizer}
+    if dataset is not None:
+        c = recipe.calibration
+        # the samples are already drawn, shuffled (seeded) and truncated by quantpipe.calibration:
+        # take them all, in order, with no further sampling by llm-compressor
+        kw |= {"dataset": dataset, "num_calibration_samples": len(dataset), "max_seq_length": c.max_seq_len,
+               "shuffle_calibration_samples": False, "batch_size": 1}
+    if a.pipeline is not None:
+        kw["pipeline"] = a.pipeline
+    if a.sequential_targets is not None:
+        kw["sequential_targets"] = list(a.sequential_targets)
+    return kw
+
+
+@contextlib.contextmanager
+def cpu_safe_awq():
+    """Let AWQ run on a torch without an accelerator.
+
+    llm-compressor 0.14's AWQModifier._apply_smoothing pins the cached parent activations
+    (IntermediatesCache.pin_memory) to speed up host-to-device copies during its grid search; on a
+    CPU-only torch pinning raises "Cannot access accelerator device when none is available". Pinned
+    memory only serves transfers to an accelerator, so where none exists the call is made a no-op for
+    the duration of `oneshot` and restored afterwards. With an accelerator nothing is touched.
+    """
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if torch.accelerator.is_available():
+        yield False
+        return
+    original = IntermediatesCache.__dict__["pin_memory"]
+    IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+    try:
+        yield True
+    finally:
+        IntermediatesCache.pin_memory = original
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def weights_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+
+
+def copy_side_files(src: Path, out: Path) -> list[str]:
+    copied = []
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+            copied.append(name)
+    return copied
+
+
+def _refuse(a) -> None:
+    backend = getattr(a, "backend", "llm-compressor")
+    if backend in LEGACY_BACKENDS:
+        raise StageError(
+            f"artifact {a.name!r}: backend {backend} needs the legacy environment: run scripts/setup_envs.sh legacy "
+            "(or remove `backend:` to use llm-compressor, the default)"
+        )
+
+
+def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
+    """Quantize the model in `src` into `out` (compressed-tensors). Returns metrics for the run log."""
+    a = artifact_config(recipe, artifact)
+    _refuse(a)
+    src, out = Path(src), Path(out)
+    if not (src / "config.json").is_file():
+        raise StageError(f"{src} is not a model directory (no config.json); the quantize stage reads the merged model")
+    data = needs_calibration(a)
+    if data and recipe.calibration is None:
+        raise StageError(f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe")
+
+    t_import = time.perf_counter()
+    import torch
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .. import calibration as cal
+
+    t0 = time.perf_counter()
+
+    seed = recipe.calibration.seed if recipe.calibration else 0
+    seed_everything(seed)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=recipe.base.trust_remote_code)
+    except Exception as e:
+        if data:
+            raise StageError(f"{src}: cannot load its tokenizer ({type(e).__name__}: {e}); calibration needs the tokenizer saved with the model") from None
+        tokenizer = None
+    prepared = cal.prepare(recipe.calibration, tokenizer) if data else None
+    dataset = prepared.dataset() if prepared else None
+    t_cal = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=getattr(torch, recipe.base.dtype), trust_remote_code=recipe.base.trust_remote_code,
+        use_safetensors=None if recipe.base.allow_pickle else True,
+    )
+    t_load = time.perf_counter()
+
+    kwargs = oneshot_kwargs(a, recipe, model, tokenizer, dataset)
+    guard = cpu_safe_awq() if a.method == "awq" else contextlib.nullcontext(False)
+    try:
+        with guard as patched:
+            if patched:
+                log.info("no accelerator: AWQ's activation pinning is skipped (llm-compressor 0.14 CPU workaround)")
+            oneshot(**kwargs)
+    except ValueError as e:
+        if "divisible" in str(e):
+            raise StageError(f"artifact {a.name!r}: {e} Pick a group_size that divides these layers' input size, or add them to `ignore`.") from None
+        raise
+    t_oneshot = time.perf_counter()
+    model.save_pretrained(out, save_compressed=True)
+    copy_side_files(src, out)
+    t_save = time.perf_counter()
+
+    from llmcompressor.core import active_session
+
+    modifiers = active_session().lifecycle.recipe.to_dict()
+    (out / "llmcompressor_recipe.json").write_text(json.dumps(modifiers, indent=2, default=str) + "\n")
+    provenance = prepared.provenance(recipe.calibration) if prepared else {"calibration_sha256": None, "n_samples": 0, "n_tokens": 0, "truncated_samples": 0, "note": f"{scheme_name(a)} needs no calibration data"}
+    (out / "calibration.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+    size, base_size = dir_bytes(out), dir_bytes(src)
+    w, base_w = weights_bytes(out), weights_bytes(src)
+    return {
+        "method": a.method,
+        "scheme": scheme_name(a),
+        "group_size": getattr(a, "group_size", None),
+        "size_bytes": size,
+        "baseline_size_bytes": base_size,
+        "compression": round(base_size / size, 4) if size else None,
+        "weights_bytes": w,
+        "baseline_weights_bytes": base_w,
+        "weights_compression": round(base_w / w, 4) if w else None,
+        "import_s": round(t0 - t_import, 3),
+        "calibration_s": round(t_cal - t0, 3),
+        "load_s": round(t_load - t_cal, 3),
+        "oneshot_s": round(t_oneshot - t_load, 3),
+        "save_s": round(t_save - t_oneshot, 3),
+        "calibration_sha256": provenance["calibration_sha256"],
+        "n_calibration_samples": provenance["n_samples"],
+        "n_calibration_tokens": provenance["n_tokens"],
+        "truncated_samples": provenance["truncated_samples"],
+        "seed": seed,
+        "accelerator": str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None,
+    }

@@ -1,0 +1,555 @@
+"""The benchmark stage and the vLLM server it drives: engine arguments, servability, choosing the best
+variant (fast); and, on the tiny models with the real `vllm serve` (slow): agreement with
+`vllm bench serve` run directly, a full sweep with variants, LoRA and offline benches, unservable and
+crashing artifacts, and no server left behind after SIGTERM or Ctrl-C.
+
+    .venv/quantize/bin/python -m pytest tests/test_benchmark.py            # fast tests
+    .venv/quantize/bin/python -m pytest tests/test_benchmark.py -m slow    # vLLM on CPU (~10 min on 2 cores)
+
+The slow tests run vLLM from the serve environment (.venv/serve, or $QUANTPIPE_PYTHON_SERVE); pytest
+itself runs in the quantize environment, which builds the quantized test artifacts with llm-compressor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from quantpipe.recipe import Recipe
+from quantpipe.server import Server, failure_reason, port_in_use
+from quantpipe.stages.benchmark import (
+    effective_engine,
+    engine_flags,
+    pick_best,
+    quant_scheme,
+    unservable_reason,
+    variant_engines,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "pipeline" / "worker.py"
+CPU_AVX2 = {"platform": "cpu", "kernels": {"cpu_gemm_wna16": False}, "isa": "AVX2"}
+CPU_AVX512 = {"platform": "cpu", "kernels": {"cpu_gemm_wna16": True}, "isa": "AVX512"}
+CUDA = {"platform": "cuda", "kernels": {}}
+
+
+def _recipe(tmp: Path, model: str = "/m", validation: str | None = None, adapters=(), **bench) -> Recipe:
+    d = {"name": "bench-test", "output_dir": str(tmp / "o"), "base": {"model": model},
+         "adapters": [{"path": str(a)} for a in adapters], "artifacts": [{"name": "fp8", "method": "fp8"}],
+         "benchmark": bench}
+    if validation:
+        d["evaluation"] = {"validation": {"path": str(validation)}}
+    return Recipe.model_validate(d)
+
+
+# --- fast: engine arguments -------------------------------------------------------------------
+
+
+def test_engine_flags_booleans_and_extra_args():
+    flags = engine_flags({"max_model_len": 512, "enable_prefix_caching": False, "enforce_eager": True,
+                          "kv_cache_memory_bytes": 1 << 28, "extra_args": ["--block-size", "16"]})
+    assert flags == ["--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
+                     "--kv-cache-memory-bytes", str(1 << 28), "--block-size", "16"]
+    assert "--quantization" not in " ".join(flags)
+
+
+def test_variants_overlay_only_their_own_fields(tmp_path):
+    r = _recipe(tmp_path, engine={"max_model_len": 1024, "max_num_seqs": 8, "extra_args": ["--seed", "1"]},
+                variants=[{"name": "big-batch", "engine": {"max_num_seqs": 64, "extra_args": ["--block-size", "16"]}}])
+    (n0, e0), (n1, e1) = variant_engines(r)
+    assert (n0, e0.max_num_seqs, e0.max_model_len) == ("default", 8, 1024)
+    assert (n1, e1.max_num_seqs, e1.max_model_len) == ("big-batch", 64, 1024)
+    assert e1.extra_args == ["--seed", "1", "--block-size", "16"]
+
+
+def test_cpu_engine_gets_a_kv_cache_size_only_when_the_recipe_sets_none(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                                      "hidden_size": 256, "max_position_embeddings": 2048}))
+    r = _recipe(tmp_path, concurrency=[1, 4])
+    e, notes = effective_engine(r.benchmark.engine, r, tmp_path, CPU_AVX512, need_len=96)
+    assert e["kv_cache_memory_bytes"] >= 256 * 2**20 and "kv_cache_memory_bytes" in notes[0]
+    assert e["dtype"] == "bfloat16"
+    e, notes = effective_engine(r.benchmark.engine, r, tmp_path, CUDA, need_len=96)
+    assert "kv_cache_memory_bytes" not in e and notes == []
+    r2 = _recipe(tmp_path, engine={"kv_cache_memory_bytes": 1 << 30})
+    e, notes = effective_engine(r2.benchmark.engine, r2, tmp_path, CPU_AVX512, need_len=96)
+    assert e["kv_cache_memory_bytes"] == 1 << 30 and notes == []
+
+
+# --- fast: what can be served -----------------------------------------------------------------
+
+
+def _ct_config(tmp: Path, bits: int, wtype: str = "int", acts: bool = False) -> Path:
+    group = {"targets": ["Linear"], "weights": {"num_bits": bits, "type": wtype, "strategy": "group", "group_size": 128},
+             "input_activations": {"num_bits": 8, "type": wtype, "dynamic": True} if acts else None}
+    d = tmp / f"m{bits}{wtype}{acts}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                                      "config_groups": {"group_0": group}}}))
+    return d
+
+
+def test_servability_is_decided_by_scheme_and_platform(tmp_path):
+    w4 = quant_scheme(_ct_config(tmp_path, 4))
+    w8 = quant_scheme(_ct_config(tmp_path, 8))
+    fp8 = quant_scheme(_ct_config(tmp_path, 8, "float", acts=True))
+    w8a8 = quant_scheme(_ct_config(tmp_path, 8, "int", acts=True))
+    assert w4 == {"quant_method": "compressed-tensors", "format": "pack-quantized", "weight_bits": 4, "weight_type": "int",
+                  "activations": False, "group_size": 128}
+    why = unservable_reason(w4, "gptq", CPU_AVX2)
+    assert why and "cpu_gemm_wna16" in why and "W4A16" in why
+    assert unservable_reason(w4, "gptq", CPU_AVX512) is None
+    assert unservable_reason(w4, "awq", CUDA) is None
+    assert "no kernel for 8-bit weight-only" in unservable_reason(w8, "rtn", CPU_AVX512)
+    assert unservable_reason(fp8, "fp8", CPU_AVX2) is None
+    assert unservable_reason(w8a8, "w8a8-int8", CPU_AVX2) is None
+    assert unservable_reason(None, "none", CPU_AVX2) is None
+
+
+def test_failure_reason_finds_the_root_cause_not_the_wrapper():
+    log = "\n".join([
+        "(APIServer pid=1) INFO 11-30 06:30:08 [api_utils.py:286] non-default args: {}",
+        "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953] Traceback (most recent call last):",
+        "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953] ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: ",
+        "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953]  CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported",
+        "(EngineCore pid=3) INFO 11-30 06:30:45 [multiproc_executor.py:479] [shutdown] Executor: waiting for worker exit count=1",
+        "(EngineCore pid=3) ERROR 11-30 06:30:50 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+    ])
+    why = failure_reason(log)
+    assert why.startswith("ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: CPUWNA16LinearKernel")
+    assert "initialization failed" not in why
+    assert failure_reason("") == "server exited without any output"
+
+
+# --- fast: the best variant -------------------------------------------------------------------
+
+
+def _row(variant, c, goodput, ttft_p99, rps=1.0, failed=0, workload="fixed"):
+    return {"variant": variant, "workload": workload, "concurrency": c, "completed": 8, "failed": failed, "goodput": goodput,
+            "request_throughput": rps, "ttft_ms": {"p99": ttft_p99}, "tpot_ms": {"p99": 10.0},
+            "slo_met": failed == 0 and ttft_p99 <= 100}
+
+
+def test_best_is_the_most_goodput_within_the_slo(tmp_path):
+    r = _recipe(tmp_path, slo={"ttft_p99_ms": 100}, workloads=[{"name": "fixed"}, {"name": "other"}])
+    rows = [_row("default", 1, 5.0, 50), _row("default", 4, 9.0, 150), _row("big", 4, 7.0, 90), _row("big", 16, 8.0, 99, failed=1),
+            _row("big", 16, 99.0, 10, workload="other")]
+    best = pick_best(rows, r)
+    assert (best["variant"], best["concurrency"], best["goodput"]) == ("big", 4, 7.0)
+    assert "meets the SLO" in best["reason"]
+    none = pick_best([_row("default", 4, 0.0, 150)], r)
+    assert none["variant"] is None and "no variant meets the SLO" in none["reason"]
+    free = pick_best([_row("default", 1, None, 50, rps=3.0), _row("default", 4, None, 500, rps=6.0)], _recipe(tmp_path))
+    assert (free["variant"], free["concurrency"]) == ("default", 4) and "no SLO" in free["reason"]
+
+
+# --- slow: helpers ----------------------------------------------------------------------------
+
+
+def _serve_python() -> Path:
+    p = Path(os.environ.get("QUANTPIPE_PYTHON_SERVE") or REPO / ".venv" / "serve" / "bin" / "python")
+    if not p.exists():
+        pytest.skip(f"the serve environment is missing ({p}); build it with scripts/setup_envs.sh serve")
+    return p
+
+
+def _group_alive(pgid: int) -> list[int]:
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+def _wait_gone(pgid: int, timeout_s: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = _group_alive(pgid)
+        if not left:
+            return []
+        time.sleep(0.5)
+    return _group_alive(pgid)
+
+
+def _env(tmp: Path) -> dict:
+    t = tmp / "tmp"
+    t.mkdir(exist_ok=True)
+    return {**os.environ, "TMPDIR": str(t), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _spec(tmp: Path, recipe: Recipe, src: Path, artifact: str, method: str, base_dir: Path | None = None) -> Path:
+    out = tmp / "out"
+    out.mkdir(parents=True)
+    refs = {"artifact": artifact, "method": method, **({"base_dir": str(base_dir)} if base_dir else {})}
+    spec = {"stage": f"benchmark:{artifact}", "kind": "benchmark", "recipe": recipe.model_dump(mode="json"), "src": str(src),
+            "out": str(out), "refs": refs, "metrics": str(tmp / "metrics.json")}
+    (tmp / "spec.json").write_text(json.dumps(spec))
+    return tmp / "spec.json"
+
+
+def run_stage(tmp: Path, recipe: Recipe, src: Path, artifact: str, method: str, base_dir: Path | None = None, timeout_s: float = 1200) -> dict:
+    """Run the stage as the runner does (worker.py, serve env, own session); check nothing outlives it."""
+    spec = _spec(tmp, recipe, src, artifact, method, base_dir)
+    with open(tmp / "stage.log", "w") as logf:
+        p = subprocess.Popen([str(_serve_python()), str(WORKER), str(spec)], stdout=logf, stderr=subprocess.STDOUT,
+                             env=_env(tmp), start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout_s)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    tail = "\n".join((tmp / "stage.log").read_text(errors="replace").splitlines()[-40:])
+    assert rc == 0, f"stage failed (exit {rc}):\n{tail}"
+    assert _wait_gone(p.pid, 10) == [], "processes of the stage outlived it"
+    metrics = json.loads((tmp / "metrics.json").read_text())
+    assert json.loads((tmp / "out" / "results.json").read_text())["artifact"] == metrics["artifact"]
+    return metrics
+
+
+def _quantize(src: Path, dst: Path, scheme: str) -> Path:
+    code = f"""
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from llmcompressor import oneshot
+from llmcompressor.modifiers.quantization import QuantizationModifier
+m = AutoModelForCausalLM.from_pretrained({str(src)!r}, dtype="auto")
+oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme={scheme!r}, ignore=["lm_head"]))
+m.save_pretrained({str(dst)!r}, save_compressed=True)
+AutoTokenizer.from_pretrained({str(src)!r}).save_pretrained({str(dst)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def models(tiny, tmp_path_factory):
+    """The tiny Llama, its LoRA merged in (the baseline), a W8A16 and a W4A16 artifact, and a broken copy."""
+    root = tmp_path_factory.mktemp("bench-models")
+    merged = root / "merged"
+    code = f"""
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+m = AutoModelForCausalLM.from_pretrained({str(tiny.llama)!r}, dtype="auto")
+PeftModel.from_pretrained(m, {str(tiny.llama_lora)!r}).merge_and_unload().save_pretrained({str(merged)!r})
+AutoTokenizer.from_pretrained({str(tiny.llama)!r}).save_pretrained({str(merged)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
+    broken = root / "broken"
+    shutil.copytree(tiny.llama, broken)
+    from safetensors.torch import load_file, save_file
+
+    st = next(broken.glob("*.safetensors"))
+    tensors = load_file(st)
+    key = "model.layers.1.mlp.down_proj.weight"  # a truncated tensor: vLLM fails loading it (a missing one it ignores)
+    tensors[key] = tensors[key][:, :-64].contiguous()
+    save_file(tensors, st, metadata={"format": "pt"})
+
+    class M:
+        pass
+
+    m = M()
+    m.base, m.lora, m.merged, m.validation, m.broken = tiny.llama, tiny.llama_lora, merged, tiny.validation, broken
+    m.w8a16 = _quantize(tiny.llama, root / "w8a16", "W8A16")
+    m.w4a16 = _quantize(tiny.llama, root / "w4a16", "W4A16")
+    return m
+
+
+# --- slow: one shared server ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench-server")
+    srv = Server(tiny.llama, ["--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20)],
+                 log_path=tmp / "server.log", served_model_name="tiny", python=_serve_python(),
+                 env={"VLLM_SERVER_DEV_MODE": "1", "TMPDIR": str(tmp)})
+    with srv:
+        yield srv
+    assert srv.pids() == [] and not port_in_use(srv.port)
+
+
+@pytest.mark.slow
+def test_server_listens_on_localhost_only(server):
+    import psutil
+
+    listening = []
+    for pid in server.pids():
+        try:
+            listening += [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            pass
+    assert listening, "the server listens on nothing"
+    assert any(a.port == server.port for a in listening)
+    assert all(a.ip == "127.0.0.1" for a in listening), listening
+    assert server.completion("hello", max_tokens=4)["usage"]["completion_tokens"] == 4
+
+
+AGREE = r"""
+import json, subprocess, sys, urllib.request
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import worker
+worker._bootstrap()
+from quantpipe.recipe import Recipe
+from quantpipe.server import Server
+from quantpipe.stages.benchmark import bench_serve_args, measure
+from vllm.benchmarks.serve import add_cli_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+cfg = json.loads(Path(sys.argv[2]).read_text())
+out = Path(cfg["out"])
+recipe = Recipe.model_validate(cfg["recipe"])
+srv = Server.connect(cfg["port"], "tiny")
+rows = {"quantpipe": [], "direct": []}
+
+def parsed(args):
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    return vars(p.parse_args(args + ["--result-dir", "R", "--result-filename", "F"]))
+
+# The arguments quantpipe hands to vLLM's benchmark, as vLLM's own parser reads them, against the hand-written ones.
+qa = parsed(bench_serve_args(srv, recipe.benchmark.workloads[0], None, 4, cfg["tokenizer"], recipe.benchmark.seed, Path("R"), "F", []))
+da = parsed(cfg["direct_args"])
+rows["args_diff"] = {k: [str(qa.get(k)), str(da.get(k))] for k in set(qa) | set(da) if qa.get(k) != da.get(k) and k != "request_id_prefix"}
+
+def quantpipe_run(i):
+    r, _ = measure(srv, recipe, f"qp{i}", list(recipe.benchmark.workloads), {}, cfg["tokenizer"], out)
+    rows["quantpipe"].append(r[0])
+
+def direct_run(i):
+    urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{cfg['port']}/reset_prefix_cache", data=b"", method="POST")).read()
+    args = cfg["direct_args"] + ["--result-dir", str(out / "direct"), "--result-filename", f"{i}.json"]
+    subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], check=True, stdout=subprocess.DEVNULL)
+    rows["direct"].append(json.loads((out / "direct" / f"{i}.json").read_text()))
+
+for i in range(cfg["start"], cfg["start"] + cfg["rounds"]):  # interleaved, alternating which goes first, so drift hits both alike
+    for f in ((quantpipe_run, direct_run) if i % 2 == 0 else (direct_run, quantpipe_run)):
+        f(i)
+Path(cfg["result"]).write_text(json.dumps(rows))
+"""
+
+
+def _paired_diffs(qp: list[dict], direct: list[dict]) -> dict:
+    """Median over rounds of quantpipe/direct - 1: pairing each round cancels the drift of a shared machine's load."""
+    pick = {
+        "output_throughput": (lambda r: r["output_throughput"], lambda d: d["output_throughput"]),
+        "request_throughput": (lambda r: r["request_throughput"], lambda d: d["request_throughput"]),
+        "ttft_mean_ms": (lambda r: r["ttft_ms"]["mean"], lambda d: d["mean_ttft_ms"]),
+        "tpot_mean_ms": (lambda r: r["tpot_ms"]["mean"], lambda d: d["mean_tpot_ms"]),
+    }
+    return {k: statistics.median(a(q) / b(d) for q, d in zip(qp, direct)) - 1 for k, (a, b) in pick.items()}
+
+
+def _noise(direct: list[dict]) -> float:
+    """How much two direct runs of one round apart differ (median over metrics and neighbours): the resolution here."""
+    keys = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms")
+    return statistics.median(abs(a[k] / b[k] - 1) for a, b in zip(direct, direct[1:]) for k in keys)
+
+
+@pytest.mark.slow
+def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_path):
+    """Same server, same workload: quantpipe's TTFT, TPOT and throughput are vLLM's own, within 5 %.
+    Runs alternate (quantpipe, direct, direct, quantpipe, ...); the figure compared is the median of the
+    per-round ratios over 5 rounds, or 9 when 5 leave it in doubt. On a machine so busy that two direct
+    runs alone differ by more than 5 % (other jobs on 2 cores), 5 % cannot be resolved: the test skips
+    and says so rather than pass or fail on noise. The exact part (vLLM parses quantpipe's arguments
+    to the same values as the hand-written ones; quantpipe's rows carry vLLM's figures) always holds."""
+    workload = {"name": "fixed", "input_len": 64, "output_len": 32, "num_prompts": 48}
+    recipe = _recipe(tmp_path, workloads=[workload], concurrency=[4])
+    direct_args = [  # written out by hand: what a user would type
+        "--host", "127.0.0.1", "--port", str(server.port), "--model", "tiny", "--tokenizer", str(tiny.llama),
+        "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32", "--num-prompts", "48",
+        "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", "0",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result", "--disable-tqdm",
+    ]
+    (tmp_path / "agree.py").write_text(AGREE)
+    qp, direct = [], []
+    for start, rounds in ((0, 5), (5, 4)):
+        cfg = {"out": str(tmp_path), "recipe": recipe.model_dump(mode="json"), "port": server.port, "tokenizer": str(tiny.llama),
+               "direct_args": direct_args, "start": start, "rounds": rounds, "result": str(tmp_path / f"agree-{start}.json")}
+        (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+        subprocess.run([str(_serve_python()), str(tmp_path / "agree.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
+                       check=True, env=_env(tmp_path), timeout=900, stdout=subprocess.DEVNULL)
+        rows = json.loads((tmp_path / f"agree-{start}.json").read_text())
+        assert rows["args_diff"] == {}, rows["args_diff"]
+        qp, direct = qp + rows["quantpipe"], direct + rows["direct"]
+        diffs = _paired_diffs(qp, direct)
+        print(f"{len(qp)} rounds, quantpipe / direct - 1:", {k: f"{v:+.1%}" for k, v in diffs.items()})
+        if all(abs(v) <= 0.05 for v in diffs.values()):
+            break
+    assert all(r["completed"] == 48 and r["failed"] == 0 for r in qp)
+    assert all(d["completed"] == 48 for d in direct)
+    for r in qp:  # quantpipe's row carries vLLM's figures unchanged
+        raw = json.loads((tmp_path / r["raw"]).read_text())
+        assert (r["ttft_ms"]["p99"], r["tpot_ms"]["p50"], r["e2el_ms"]["p90"], r["output_throughput"]) == (
+            raw["p99_ttft_ms"], raw["p50_tpot_ms"], raw["p90_e2el_ms"], raw["output_throughput"])
+    if not all(abs(v) <= 0.05 for v in diffs.values()) and _noise(direct) > 0.05:
+        pytest.skip(f"too busy to resolve 5 %: direct runs alone differ by a median {_noise(direct):.1%} "
+                    f"(quantpipe / direct - 1: {', '.join(f'{k} {v:+.1%}' for k, v in diffs.items())})")
+    assert all(abs(v) <= 0.05 for v in diffs.values()), diffs
+
+
+# --- slow: the stage --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_stage_sweeps_variants_lora_and_offline(models, tmp_path):
+    recipe = _recipe(
+        tmp_path, model=str(models.base), validation=models.validation, adapters=[models.lora],
+        engine={"enforce_eager": True, "max_model_len": 512},
+        variants=[{"name": "no-prefix-cache", "engine": {"enable_prefix_caching": False}}],
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 16, "num_prompts": 8},
+                   {"name": "val", "kind": "validation", "output_len": 16, "num_prompts": 8},
+                   {"name": "prefix", "kind": "shared_prefix", "prefix_len": 256, "input_len": 32, "output_len": 16, "num_prompts": 8}],
+        concurrency=[1, 4], slo={"ttft_p99_ms": 5000, "tpot_p99_ms": 1000}, offline=True,
+    )
+    t0 = time.perf_counter()
+    m = run_stage(tmp_path, recipe, models.merged, "baseline", "none", base_dir=models.base)
+    print(f"stage wall {time.perf_counter() - t0:.0f} s, server start {m['server_start_s']} s, offline {m['offline']}")
+    assert m["servable"] is True and m["reason"] is None and m["platform"] == "cpu"
+    assert m["engine"]["kv_cache_memory_bytes"] >= 256 * 2**20 and "--quantization" not in json.dumps(m["engine"])
+    assert m["versions"]["vllm"].startswith("0.") and m["hardware"]["cpus"]
+    rows = m["results"]
+    assert {(r["variant"], r["workload"], r["concurrency"]) for r in rows} == {
+        (v, w, c) for v in ("default", "no-prefix-cache") for w in ("fixed", "val", "prefix") for c in (1, 4)}
+    for r in rows:
+        assert r["completed"] == 8 and r["failed"] == 0, r
+        assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["duration_s"] > 0
+        for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            assert set(r[k]) == {"mean", "p50", "p90", "p99"} and 0 < r[k]["p50"] <= r[k]["p90"] <= r[k]["p99"], (k, r[k])
+        assert r["goodput"] is not None and r["slo_met"] is True
+        assert (tmp_path / "out" / r["raw"]).is_file()
+    fixed = [r for r in rows if r["workload"] == "fixed"]
+    assert all(r["input_tokens_mean"] == 32 and r["output_tokens_mean"] == 16 for r in fixed)
+    val = next(w for w in m["workloads"] if w["name"] == "val")["data"]
+    assert val["used"] > 0 and all(r["output_tokens_mean"] <= 16 for r in rows if r["workload"] == "val")
+    # The shared prefix is served from the cache when prefix caching is on, and cannot be when it is off.
+    by = {(r["variant"], r["workload"], r["concurrency"]): r for r in rows}
+    assert by[("default", "prefix", 4)]["prefix_cache_hit_rate"] > 0.5
+    assert by[("default", "fixed", 4)]["prefix_cache_hit_rate"] < 0.2  # the cache is reset between runs
+    assert not by[("no-prefix-cache", "prefix", 4)]["prefix_cache_hit_rate"]
+    mem = m["memory"]
+    assert mem["kv_cache_tokens"] > 1000 and 0 < mem["weights_gib"] < 1 and mem["peak_rss_gib"] > 0.3 and mem["preemptions"] == 0
+    assert m["best"]["variant"] in ("default", "no-prefix-cache") and m["best"]["concurrency"] in (1, 4) and m["best"]["goodput"] > 0
+    off = m["offline"]
+    assert "error" not in off, off
+    assert 0 < off["latency_s_batch1"] < 60 and off["throughput_req_s"] > 0 and off["throughput_tok_s"] > off["throughput_req_s"]
+    lora = m["lora"]
+    assert lora["servable"] is True and lora["adapters"] == {"adapter0": str(models.lora)}
+    assert {(r["workload"], r["concurrency"]) for r in lora["results"]} == {(w, c) for w in ("fixed", "val", "prefix") for c in (1, 4)}
+    assert all(r["completed"] == 8 and r["failed"] == 0 for r in lora["results"])
+    assert len(lora["comparison"]) == 6 and all(c["output_throughput_ratio"] > 0 for c in lora["comparison"])
+    for p in [v["port"] for v in m["variants"].values()] + [lora["port"]]:
+        assert not port_in_use(p), f"port {p} still in use"
+
+
+@pytest.mark.slow
+def test_w8a16_is_reported_not_servable_without_starting_a_server(models, tmp_path):
+    recipe = _recipe(tmp_path, model=str(models.base), workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}])
+    m = run_stage(tmp_path, recipe, models.w8a16, "rtn-w8", "rtn")
+    assert m["servable"] is False and m["results"] == [] and m["offline"] is None
+    assert m["reason"].startswith("not servable here: W8A16 (rtn)") and m["status_note"] == m["reason"]
+    assert not list((tmp_path / "out" / "logs").glob("server-*.log")), "a server was started for a scheme known to fail"
+
+
+@pytest.mark.slow
+def test_w4a16_follows_the_kernels_this_platform_has(models, tmp_path):
+    """W4A16 needs cpu_gemm_wna16: on an AVX2-only CPU it is reported, on an AVX-512 CPU it is served."""
+    recipe = _recipe(tmp_path, model=str(models.base), engine={"enforce_eager": True, "max_model_len": 256}, offline=False,
+                     workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], concurrency=[2])
+    m = run_stage(tmp_path, recipe, models.w4a16, "gptq", "gptq")
+    if m["platform_info"]["kernels"]["cpu_gemm_wna16"]:
+        assert m["servable"] is True and m["results"][0]["completed"] == 4 and m["results"][0]["failed"] == 0
+        assert "CPUWNA16" in (tmp_path / "out" / "logs" / "server-default.log").read_text()
+    else:
+        assert m["servable"] is False and "cpu_gemm_wna16" in m["reason"] and m["reason"].startswith("not servable here:")
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_at_startup_is_reported_with_its_error(models, tmp_path):
+    recipe = _recipe(tmp_path, model=str(models.base), engine={"enforce_eager": True, "max_model_len": 256}, offline=False,
+                     workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], concurrency=[1])
+    m = run_stage(tmp_path, recipe, models.broken, "broken", "fp8")
+    assert m["servable"] is False and m["results"] == []
+    assert m["reason"].startswith("not servable here: ") and "Error" in m["reason"], m["reason"]
+    assert "initialization failed" not in m["reason"]  # the root cause, not vLLM's wrapper
+    assert "dimension size (704)" in m["reason"] or "704" in m["variants"]["default"]["log_tail"]
+    assert m["variants"]["default"]["log_tail"]
+    assert not port_in_use(m["variants"]["default"]["port"])
+
+
+def _wait_for_server(log: Path, proc: subprocess.Popen, timeout_s: float = 600) -> int:
+    import re
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the stage ended before its server was up"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        m = re.search(r"Starting vLLM server on http://127\.0\.0\.1:(\d+)", text)
+        if m and "Application startup complete" in text:
+            return int(m.group(1))
+        time.sleep(1)
+    raise AssertionError("the server did not come up")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["sigterm-worker", "ctrl-c-stage"])
+def test_no_server_outlives_an_interrupted_stage(models, tmp_path, how):
+    """SIGTERM to the worker (what the runner sends) or Ctrl-C in the stage itself: the server and its
+    engine processes end, and the port is free again."""
+    recipe = _recipe(tmp_path, model=str(models.base), engine={"enforce_eager": True, "max_model_len": 256}, offline=False,
+                     workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], concurrency=[1])
+    spec = _spec(tmp_path, recipe, models.base, "baseline", "none")
+    if how == "sigterm-worker":
+        cmd = [str(_serve_python()), str(WORKER), str(spec)]
+    else:  # the stage called directly, as in a notebook: KeyboardInterrupt must stop the server
+        cmd = [str(_serve_python()), "-c", f"""
+import json, sys; sys.path.insert(0, {str(REPO / 'pipeline')!r}); import worker; worker._bootstrap()
+from pathlib import Path
+from quantpipe.recipe import Recipe
+from quantpipe.stages.benchmark import run
+s = json.loads(Path({str(spec)!r}).read_text())
+run(Recipe.model_validate(s["recipe"]), Path(s["src"]), Path(s["out"]), **s["refs"])
+"""]
+    with open(tmp_path / "stage.log", "w") as logf:
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True)
+        try:
+            port = _wait_for_server(tmp_path / "out" / "logs" / "server-default.log", p)
+            assert len(_group_alive(p.pid)) >= 3  # stage, API server, engine core (+ its worker)
+            p.send_signal(signal.SIGTERM if how == "sigterm-worker" else signal.SIGINT)  # to the stage process only
+            rc = p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert rc != 0
+    assert _wait_gone(p.pid, 30) == [], "server processes outlived the stage"
+    assert not port_in_use(port)
+    if how == "ctrl-c-stage":
+        assert "KeyboardInterrupt" in (tmp_path / "stage.log").read_text(errors="replace")
+
+
+def test_engine_stats_come_from_the_servers_own_log_lines():
+    from quantpipe.stages.benchmark import engine_stats
+
+    seg = "\n".join([
+        "(APIServer pid=1) INFO 11-30 07:01:02 [loggers.py:335] Engine 000: Avg prompt throughput: 384.0 tokens/s, Avg generation "
+        "throughput: 377.7 tokens/s, Running: 4 reqs, Waiting: 2 reqs, CPU KV cache usage: 0.2%, Prefix cache hit rate: 0.0%",
+        "(APIServer pid=1) INFO 11-30 07:01:03 [loggers.py:335] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation "
+        "throughput: 12.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 1.5%, Prefix cache hit rate: 0.0%",
+    ])
+    assert engine_stats(seg) == {"kv_cache_usage_peak": 0.015, "running_peak": 4, "waiting_peak": 2}
+    assert engine_stats("nothing") == {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}

@@ -1,0 +1,393 @@
+"""The evaluate stage: gates, validation metrics, paired comparison, and (slow) lm-eval on the tiny models.
+
+    .venv/quantize/bin/python -m pytest tests/test_evaluate.py            # fast tests
+    .venv/quantize/bin/python -m pytest tests/test_evaluate.py -m slow    # tiny models, lm-eval, llm-compressor
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantpipe.recipe import Gates, Recipe
+from quantpipe.stages import StageError
+from quantpipe.stages.evaluate import check_gates, compare, load_validation, run, schema_errors, score_output
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _metrics(comparison, fidelity=None, artifact="a"):
+    return {"artifact": artifact, "method": "rtn", "comparison": comparison, "fidelity": fidelity}
+
+
+def _row(task, metric, b, a, ci=(0.8, 1.0), n=50):
+    return {"task": task, "metric": metric, "baseline": b, "artifact": a, "recovery": a / b if b else None,
+            "ci95": list(ci), "flip_rate": 0.1, "n": n}
+
+
+# --- gates ------------------------------------------------------------------------------------
+
+
+def test_gates_pass_and_fail_on_recovery():
+    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.455), _row("validation", "exact_match", 0.8, 0.8)])
+    assert check_gates(Gates(min_recovery=0.9), m) == []
+    failures = check_gates(Gates(min_recovery=0.98), m)
+    assert len(failures) == 1
+    assert failures[0].startswith("arc_tiny acc recovery 0.910") and "< min_recovery 0.98" in failures[0]
+    assert "95% CI 0.800-1.000" in failures[0]
+
+
+def test_gates_per_task_overrides_global_and_catches_typos():
+    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.40), _row("hella", "acc", 0.5, 0.5)])
+    assert check_gates(Gates(min_recovery=0.99, min_recovery_per_task={"arc_tiny": 0.75}), m) == []
+    fails = check_gates(Gates(min_recovery_per_task={"arc_tiny": 0.9}), m)
+    assert fails == ["arc_tiny acc recovery 0.800 (95% CI 0.800-1.000, n=50) < min_recovery_per_task 0.9"]
+    typo = check_gates(Gates(min_recovery_per_task={"arc_tiyn": 0.9}), m)
+    assert len(typo) == 1 and "'arc_tiyn'" in typo[0] and "not evaluated" in typo[0]
+
+
+def test_gates_fail_closed_when_they_cannot_be_checked():
+    m = _metrics([_row("t", "acc", 0.0, 0.0)])
+    assert "undefined" in check_gates(Gates(min_recovery=0.5), m)[0]
+    assert "cannot be checked" in check_gates(Gates(max_kl=0.1), m)[0]
+    assert "cannot be checked" in check_gates(Gates(min_top1_agreement=0.9), m)[0]
+
+
+def test_gates_fidelity():
+    m = _metrics([], fidelity={"kl_mean": 0.02, "top1_agreement": 0.93})
+    assert check_gates(Gates(max_kl=0.05, min_top1_agreement=0.9), m) == []
+    fails = check_gates(Gates(max_kl=0.01, min_top1_agreement=0.95), m)
+    assert fails == ["kl_mean 0.02 > max_kl 0.01", "top1_agreement 0.93 < min_top1_agreement 0.95"]
+
+
+def test_gates_ignore_the_baseline_and_no_gates():
+    bad = [_row("t", "acc", 0.5, 0.1)]
+    assert check_gates(Gates(min_recovery=0.99, max_kl=0.0), _metrics(bad, artifact="baseline")) == []
+    assert check_gates(Gates(), _metrics(bad)) == []
+
+
+def test_check_gates_import_is_light():
+    code = "import sys, quantpipe.stages.evaluate as e; e.check_gates; bad = {'torch', 'transformers', 'lm_eval', 'numpy'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# --- validation metrics -----------------------------------------------------------------------
+
+
+def test_score_output_metrics():
+    assert score_output("  Paris ", {"metric": "exact_match", "reference": "Paris"}) == 1.0
+    assert score_output("Paris, France", {"metric": "exact_match", "reference": "Paris"}) == 0.0
+    assert score_output("It is Paris, France", {"metric": "contains", "reference": " Paris"}) == 1.0
+    assert score_output("It is Lyon", {"metric": "contains", "reference": "Paris"}) == 0.0
+    assert score_output("answer: 42.", {"metric": "regex", "reference": r"\b4\d\b"}) == 1.0
+    assert score_output("answer: 52.", {"metric": "regex", "reference": r"\b4\d\b"}) == 0.0
+    assert score_output('{"a": 1}', {"metric": "json_valid"}) == 1.0
+    assert score_output('```json\n{"a": 1}\n```', {"metric": "json_valid"}) == 1.0
+    assert score_output('{"a": 1', {"metric": "json_valid"}) == 0.0
+
+
+def test_json_valid_with_schema():
+    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "minLength": 1}, "age": {"type": "integer", "minimum": 0},
+                             "tags": {"type": "array", "items": {"enum": ["a", "b"]}}}}
+    row = {"metric": "json_valid", "_schema": schema}
+    assert score_output('{"name": "x", "age": 3, "tags": ["a"]}', row) == 1.0
+    for bad in ('{"name": "x"}', '{"name": "x", "age": -1}', '{"name": "x", "age": 3, "tags": ["c"]}',
+                '{"name": "x", "age": 3, "extra": 1}', '{"name": 5, "age": 3}', "[1]"):
+        assert score_output(bad, row) == 0.0, bad
+    assert schema_errors({"name": "x"}, schema) == ["$: missing 'age'"]
+
+
+def test_schema_with_unsupported_keywords_is_refused(tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}))
+    (tmp_path / "v.jsonl").write_text('{"prompt": "p", "metric": "json_valid"}\n')
+    with pytest.raises(StageError, match=r"\$ref"):
+        load_validation(tmp_path / "v.jsonl", "exact_match", str(tmp_path / "s.json"))
+
+
+def test_load_validation_rows_and_overrides(tmp_path):
+    p = tmp_path / "v.jsonl"
+    p.write_text('{"prompt": "2+2=", "reference": "4"}\n\n'
+                 '{"messages": [{"role": "user", "content": "hi"}], "reference": "hello", "metric": "contains"}\n'
+                 '{"prompt": "json please", "metric": "json_valid"}\n')
+    rows = load_validation(p, "exact_match")
+    assert [r["metric"] for r in rows] == ["exact_match", "contains", "json_valid"]
+    assert [r["_line"] for r in rows] == [1, 3, 4]
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('{"prompt": "x", "reference": "y"', "not valid JSON"),
+    ('["x", "y"]', "expected a JSON object"),
+    ('{"reference": "y"}', "exactly one of `prompt`"),
+    ('{"prompt": "x", "messages": [], "reference": "y"}', "exactly one of `prompt`"),
+    ('{"messages": [{"role": "user"}], "reference": "y"}', "`messages` must be"),
+    ('{"prompt": "x"}', "`reference` must be a non-empty string"),
+    ('{"prompt": "x", "reference": "y", "metric": "bleu"}', "unknown metric 'bleu'"),
+    ('{"prompt": "x", "reference": "(", "metric": "regex"}', "not a valid regular expression"),
+])
+def test_bad_validation_rows_name_file_and_line(tmp_path, line, problem):
+    p = tmp_path / "val.jsonl"
+    p.write_text('{"prompt": "ok", "reference": "ok"}\n' * 2 + line + "\n")
+    with pytest.raises(StageError) as e:
+        load_validation(p, "exact_match")
+    assert f"{p}:3: " in str(e.value) and problem in str(e.value)
+
+
+def test_empty_validation_file(tmp_path):
+    (tmp_path / "v.jsonl").write_text("\n")
+    with pytest.raises(StageError, match="no rows"):
+        load_validation(tmp_path / "v.jsonl", "exact_match")
+
+
+# --- paired comparison ------------------------------------------------------------------------
+
+
+def test_compare_identical_scores():
+    s = [1, 0, 1, 1, 0, 1, 1, 1, 0, 1]
+    c = compare(s, s, 500)
+    assert c == {"baseline": 0.7, "artifact": 0.7, "recovery": 1.0, "ci95": [1.0, 1.0], "flip_rate": 0.0, "n": 10}
+
+
+def test_compare_degraded_scores_ci_and_flips():
+    b = [1] * 40 + [0] * 10
+    a = [1] * 30 + [0] * 10 + [1] * 2 + [0] * 8  # 10 lost, 2 gained
+    c = compare(b, a, 2000)
+    assert c["recovery"] == pytest.approx(32 / 40)
+    assert c["ci95"][0] < 0.8 < c["ci95"][1] < 1.0  # paired: the CI excludes 1
+    assert c["flip_rate"] == pytest.approx(12 / 50)
+    assert compare(b, a, 2000) == c  # fixed seed: reproducible
+
+
+def test_compare_lower_is_better_and_continuous_scores():
+    c = compare([2.0, 2.0], [4.0, 4.0], 200, higher_is_better=False)
+    assert c["recovery"] == 0.5 and c["flip_rate"] is None
+    assert compare([0, 0], [1, 0], 200)["recovery"] is None
+
+
+def test_reference_continuation_joins_like_lm_eval():
+    from quantpipe.stages.evaluate import _continuation
+
+    assert _continuation({"prompt": "2 plus 2 is", "reference": "4"}) == " 4"
+    assert _continuation({"prompt": "Answer: ", "reference": "4"}) == "4"
+    assert _continuation({"prompt": "Q", "reference": " 4"}) == " 4"
+    assert _continuation({"messages": [{"role": "user", "content": "hi"}], "reference": "hello"}) == "hello"
+
+
+def test_vllm_backend_is_refused(tmp_path):
+    r = Recipe.model_validate({"name": "t", "output_dir": str(tmp_path), "base": {"model": str(tmp_path)},
+                               "artifacts": [{"name": "a", "method": "rtn"}],
+                               "evaluation": {"lm_eval": {"tasks": ["x"], "backend": "vllm"}}})
+    with pytest.raises(StageError, match="backend: vllm"):
+        run(r, tmp_path, tmp_path)
+
+
+# --- slow: the stage on the tiny model, against the lm-eval CLI, a damaged artifact and itself -----
+
+LIMIT = 64  # examples per lm-eval task: enough for the damaged artifact's losses to show
+N_VALIDATION = 24
+
+
+@pytest.fixture(scope="module")
+def recipe(tiny, tmp_path_factory) -> Recipe:
+    root = tmp_path_factory.mktemp("evaluate")
+    # Validation rows the tiny base model can answer (sums, capitals): its own validation.jsonl asks
+    # questions that only the LoRA was taught, and a baseline scoring 0 leaves recovery undefined.
+    facts = [json.loads(x) for x in (Path(tiny.tasks) / "tiny_recall_gen.jsonl").read_text().splitlines() if x.strip()]
+    rows = [{"prompt": r["prompt"], "reference": r["answer"]} for r in facts[:: len(facts) // N_VALIDATION][:N_VALIDATION]]
+    (root / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return Recipe.model_validate({
+        "name": "test-evaluate", "output_dir": str(root / "o"), "base": {"model": str(tiny.llama), "dtype": "float32"},
+        "artifacts": [{"name": "w2", "method": "rtn"}],
+        "evaluation": {
+            "lm_eval": {"tasks": list(tiny.task_names), "include_path": str(tiny.tasks), "limit": LIMIT, "batch_size": 8, "seed": 1234},
+            "validation": {"path": str(root / "validation.jsonl"), "metric": "exact_match", "max_new_tokens": 8, "stop": [".", ",", "\n"]},
+            "bootstrap_samples": 1000,
+        },
+    })
+
+
+def _stage(recipe, src, out, **kw) -> dict:
+    out.mkdir(parents=True)
+    return run(recipe, Path(src), out, **kw)
+
+
+@pytest.fixture(scope="module")
+def baseline(recipe, tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("baseline") / "out"
+    return out, _stage(recipe, tiny.llama, out)
+
+
+@pytest.fixture(scope="module")
+def damaged_model(tiny, tmp_path_factory) -> Path:
+    """Round-to-nearest 2-bit weights (group 32, lm_head included): an artifact that must lose accuracy."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("w2") / "model"
+    model = AutoModelForCausalLM.from_pretrained(tiny.llama, dtype="bfloat16")
+    w = QuantizationArgs(num_bits=2, type="int", symmetric=True, strategy="group", group_size=32)
+    oneshot(model=model, recipe=[QuantizationModifier(config_groups={"g": QuantizationScheme(targets=["Linear"], weights=w)}, ignore=[])])
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(tiny.llama).save_pretrained(out)
+    return out
+
+
+@pytest.mark.slow
+def test_lm_eval_figures_equal_the_cli(recipe, baseline, tiny, tmp_path):
+    """quantpipe's lm-eval numbers are lm-eval's own: the CLI with the same arguments gives the same digits."""
+    out, metrics = baseline
+    le = recipe.evaluation.lm_eval
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={tiny.llama},dtype=float32",
+           "--tasks", ",".join(le.tasks), "--include_path", le.include_path, "--limit", str(le.limit),
+           "--batch_size", str(le.batch_size), "--seed", str(le.seed), "--device", "cpu",
+           "--output_path", str(tmp_path / "cli"), "--log_samples"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    cli = json.loads(next((tmp_path / "cli").rglob("results_*.json")).read_text())
+    ours = json.loads((out / "lm_eval_results.json").read_text())
+    assert ours["results"] == cli["results"]
+    assert set(cli["results"]) == set(le.tasks)
+    for task, res in cli["results"].items():
+        for key, value in res.items():
+            if "," in key:
+                name, _ = key.split(",", 1)
+                assert metrics["lm_eval"][task][name if key.endswith(",none") else key] == value
+        # and sample by sample (the paired comparison rests on these)
+        cli_samples = [json.loads(x) for x in next((tmp_path / "cli").rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()]
+        our_samples = [json.loads(x) for x in (out / "lm_eval_samples" / f"{task}.jsonl").read_text().splitlines()]
+        assert [s["filtered_resps"] for s in sorted(cli_samples, key=lambda s: s["doc_id"])] == \
+               [s["filtered_resps"] for s in sorted(our_samples, key=lambda s: s["doc_id"])]
+    s = metrics["settings"]
+    assert (s["backend"], s["limit"], s["seed"], s["dtype"]) == ("hf", LIMIT, 1234, "float32")
+    assert isinstance(s["add_bos"], bool) and s["tokenizer"]["probe_ids_sha256"]
+
+
+@pytest.mark.slow
+def test_lm_eval_with_chat_template_equals_the_cli(recipe, tiny, tmp_path):
+    """Chat templates and BOS are where comparisons go wrong: with the template on, still the CLI's digits."""
+    task = next(t for t in tiny.task_names if t.endswith("_mc"))
+    ev = recipe.evaluation.model_copy(update={
+        "validation": None, "lm_eval": recipe.evaluation.lm_eval.model_copy(update={"tasks": [task], "limit": 16, "apply_chat_template": True}),
+    })
+    chat = recipe.model_copy(update={"evaluation": ev})
+    m = _stage(chat, tiny.llama, tmp_path / "ours")
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args", f"pretrained={tiny.llama},dtype=float32",
+           "--tasks", task, "--include_path", str(tiny.tasks), "--limit", "16", "--batch_size", "8", "--seed", "1234",
+           "--device", "cpu", "--apply_chat_template", "--output_path", str(tmp_path / "cli")]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    cli = json.loads(next((tmp_path / "cli").rglob("results_*.json")).read_text())
+    ours = json.loads((tmp_path / "ours" / "lm_eval_results.json").read_text())
+    assert ours["results"] == cli["results"]
+    assert ours["chat_template_sha"] == cli["chat_template_sha"] is not None
+    assert m["settings"]["apply_chat_template"] is True and m["settings"]["fewshot_as_multiturn"] is True
+    # one BOS, not two: the template writes it and the tokenizer must not add another
+    sample = json.loads((tmp_path / "ours" / "lm_eval_samples" / f"{task}.jsonl").read_text().splitlines()[0])
+    prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+    bos = m["settings"]["tokenizer"]["bos_token"]
+    assert prompt.count(bos) == 1, prompt
+
+
+@pytest.mark.slow
+def test_baseline_metrics_shape(baseline):
+    out, m = baseline
+    assert m["artifact"] == "baseline" and m["fidelity"] is None and m["comparison"] is None
+    assert m["validation"]["n"] == N_VALIDATION and 0 <= m["validation"]["score"] <= 1
+    per = json.loads((out / "per_example.json").read_text())["scores"]
+    assert len(per[f"validation/{m['validation']['metric']}"]) == N_VALIDATION
+    assert all(len(v) == LIMIT for k, v in per.items() if not k.startswith("validation/"))
+    assert len((out / "validation_outputs.jsonl").read_text().splitlines()) == N_VALIDATION
+
+
+@pytest.mark.slow
+def test_baseline_against_itself(recipe, baseline, tiny, tmp_path):
+    out_b, _ = baseline
+    m = _stage(recipe, tiny.llama, tmp_path / "self", artifact="self", method="none", baseline_model=tiny.llama, baseline_eval=out_b)
+    assert m["fidelity"]["kl_mean"] < 1e-9 and m["fidelity"]["top1_agreement"] == 1.0
+    assert m["fidelity"]["ppl"] == m["fidelity"]["ppl_baseline"] and m["fidelity"]["n_tokens"] > 0
+    assert {c["task"] for c in m["comparison"]} == set(recipe.evaluation.lm_eval.tasks) | {"validation"}
+    for c in m["comparison"]:
+        assert c["baseline"] == c["artifact"] and c["n"] in (LIMIT, N_VALIDATION), c
+        assert c["flip_rate"] == 0.0, c  # every per-example score is 0/1 here
+        if c["baseline"]:  # recovery is undefined where the baseline scores 0
+            assert c["recovery"] == 1.0 and c["ci95"] == [1.0, 1.0], c
+    assert any(c["recovery"] == 1.0 for c in m["comparison"])
+    assert check_gates(Gates(max_kl=1e-9, min_top1_agreement=1.0), m) == []
+
+
+@pytest.mark.slow
+def test_damaged_artifact_loses_and_trips_the_gate(recipe, baseline, tiny, damaged_model, tmp_path):
+    out_b, base = baseline
+    m = _stage(recipe, damaged_model, tmp_path / "w2", artifact="w2", method="rtn", baseline_model=tiny.llama, baseline_eval=out_b)
+    assert m["fidelity"]["kl_mean"] > 1e-3 and m["fidelity"]["top1_agreement"] < 1.0
+    assert m["fidelity"]["ppl"] > m["fidelity"]["ppl_baseline"]
+    c = min((c for c in m["comparison"] if c["ci95"] and c["recovery"] is not None), key=lambda c: c["recovery"])
+    assert c["recovery"] < 1.0 and c["ci95"][0] <= c["recovery"] <= c["ci95"][1] and c["ci95"][0] < c["ci95"][1]
+    assert c["flip_rate"] > 0 and c["n"] == (N_VALIDATION if c["task"] == "validation" else LIMIT)
+    assert c["baseline"] == pytest.approx(base["lm_eval"][c["task"]][c["metric"]] if c["task"] != "validation" else base["validation"]["score"])
+    failures = check_gates(Gates(min_recovery=0.99, max_kl=1e-4), m)
+    assert any(f.startswith(f"{c['task']} {c['metric']} recovery {c['recovery']:.3f}") for f in failures), failures
+    assert any(f.startswith("kl_mean") for f in failures)
+    worst = min(x["recovery"] for x in m["comparison"])
+    lenient = Gates(min_recovery=worst * 0.9, max_kl=m["fidelity"]["kl_mean"] * 2, min_top1_agreement=m["fidelity"]["top1_agreement"] / 2)
+    assert check_gates(lenient, m) == []
+    per_task = Gates(min_recovery=worst * 0.9, min_recovery_per_task={c["task"]: 0.99})
+    assert [f for f in check_gates(per_task, m) if "min_recovery_per_task 0.99" in f]
+
+
+@pytest.mark.slow
+def test_artifact_with_other_settings_is_refused(recipe, baseline, tiny, tmp_path):
+    """A baseline scored with another BOS rule (or seed, chat template...) cannot be compared against."""
+    out_b, _ = baseline
+    fake = tmp_path / "baseline"
+    fake.mkdir()
+    m = json.loads((out_b / "evaluation.json").read_text())
+    m["settings"]["add_bos"] = not m["settings"]["add_bos"]
+    (fake / "evaluation.json").write_text(json.dumps(m))
+    (fake / "per_example.json").write_text((out_b / "per_example.json").read_text())
+    with pytest.raises(StageError, match="add_bos"):
+        _stage(recipe, tiny.llama, tmp_path / "out", artifact="x", method="none", baseline_model=tiny.llama, baseline_eval=fake)
+
+
+@pytest.mark.slow
+def test_prompts_get_exactly_one_bos(tiny):
+    """Raw prompts follow the tokenizer's BOS rule; chat prompts get the template's BOS and no second one."""
+    from transformers import AutoTokenizer
+
+    from quantpipe.stages.evaluate import _encode_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny.llama)
+    bos = tok.bos_token_id
+    chat = _encode_prompt(tok, {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}, add_bos=True)
+    assert tok.decode(chat).startswith(tok.bos_token) and chat.count(bos) == 1
+    raw = _encode_prompt(tok, {"prompt": "2 plus 2 is"}, add_bos=True)
+    assert raw[0] == bos and raw.count(bos) == 1
+    assert bos not in _encode_prompt(tok, {"prompt": "2 plus 2 is"}, add_bos=False)
+
+
+@pytest.mark.slow
+def test_bos_rule_comes_from_the_tokenizer_unless_the_recipe_says(recipe, tiny):
+    from transformers import AutoTokenizer
+
+    from quantpipe.stages.evaluate import _settings
+
+    tok = AutoTokenizer.from_pretrained(tiny.llama)
+    adds = tok("x")["input_ids"][0] == tok.bos_token_id
+    s = _settings(recipe, tok, "cpu")
+    assert (s["add_bos"], s["add_bos_source"], s["tokenizer_adds_bos"]) == (adds, "tokenizer", adds)
+    off = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(update={"add_bos": False})})
+    s = _settings(off, tok, "cpu")
+    assert (s["add_bos"], s["add_bos_source"]) == (False, "recipe")
+
+
+@pytest.mark.slow
+def test_unknown_task_names_the_fix(recipe, tiny, tmp_path):
+    task = tiny.task_names[0]
+    le = recipe.evaluation.lm_eval.model_copy(update={"tasks": [task[:-1]]})
+    bad = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(update={"lm_eval": le, "validation": None})})
+    with pytest.raises(StageError, match=rf"unknown task '{task[:-1]}' \(did you mean '{task}'"):
+        _stage(bad, tiny.llama, tmp_path / "out")
