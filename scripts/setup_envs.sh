@@ -56,11 +56,27 @@ PY
     touch "$dir/.complete"
   fi
   mkdir -p .venv
-  ln -sfn "$dir" ".venv/$env"
-  if [ "$env" = quantize ]; then
-    "$dir/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
+  if [ "$env" = serve ]; then  # stages load quantpipe by path (pipeline/worker.py): a link is enough
+    ln -sfn "$dir" ".venv/$env"
+    echo "==> .venv/$env -> $dir"
+    return
   fi
-  echo "==> .venv/$env -> $dir"
+  # quantize also runs the CLI and the tests, so it must import *this* clone's quantpipe: a small
+  # per-clone venv that sees the shared environment's packages through a .pth and holds only an
+  # editable install of quantpipe. Two clones never fight over one shared environment.
+  "$dir/bin/pip" uninstall -q -y quantpipe >/dev/null 2>&1 || true
+  local light=.venv/$env
+  if [ -L "$light" ] || [ "$(cat "$light/.shared" 2>/dev/null)" != "$dir" ]; then
+    rm -rf "$light"
+    "$PY" -m venv --without-pip "$light"
+    local sp shared_sp
+    sp=$("$light/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    shared_sp=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import site; site.addsitedir('$shared_sp')" > "$sp/_quantpipe_shared.pth"
+    echo "$dir" > "$light/.shared"
+  fi
+  "$light/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+  echo "==> .venv/$env: this clone's quantpipe on top of $dir"
 }
 
 for e in "${envs[@]}"; do build "$e"; done
