@@ -7,10 +7,12 @@ with the kwargs the stage builds (`oneshot_kwargs`), `save_pretrained(save_compr
 stage's timer covers everything it does (reading and tokenizing calibration data, copying tokenizer
 files, writing provenance, sizing directories); the bare one gets its calibration set ready-made.
 Prints the best wall and CPU time of each, their ratios (target <= 1.05) and whether both wrote the
-same weights.
+same weights. On a busy shared CPU a tiny model's runs vary by 2x from one to the next; a model of
+real size on a quiet machine (e.g. an 8B-shaped one on the GPU host) gives the meaningful ratio.
 Run it in the quantize environment:
 
     .venv/quantize/bin/python scripts/bench_quantize.py --model .tiny/llama --method gptq --repeats 3
+    python scripts/bench_quantize.py --model /tmp/llama-8b --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -130,6 +133,7 @@ def main() -> int:
         "stage_cpu_s": [round(t, 3) for t in cpu["stage"]], "bare_cpu_s": [round(t, 3) for t in cpu["bare"]],
         "wall_ratio": round(min(wall["stage"]) / min(wall["bare"]), 4),
         "cpu_ratio": round(min(cpu["stage"]) / min(cpu["bare"]), 4),
+        "median_wall_ratio": round(statistics.median(wall["stage"]) / statistics.median(wall["bare"]), 4),
         "same_weights": len(hashes["stage"] | hashes["bare"]) == 1,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
     }

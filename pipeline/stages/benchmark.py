@@ -78,7 +78,7 @@ import time
 from pathlib import Path
 
 from ..recipe import Engine, Recipe, Workload
-from ..server import ServerDied, Server
+from ..server import Server, ServerDied, _set_pdeathsig, failure_reason
 from . import StageError
 
 log = logging.getLogger(__name__)
@@ -347,32 +347,35 @@ def bench_serve_args(srv: Server, w: Workload, data: dict | None, concurrency: i
     return args
 
 
-def vllm_bench_serve(args: list[str], log_path: Path) -> None:
-    """Run `vllm bench serve ARGS` (vLLM's own CLI, in a fresh process, output to `log_path`).
-
-    A fresh process per run, not vLLM's benchmark function called in this one: in this long-lived process
-    (vLLM, tokenizers, earlier runs) the client measured 5-7 % lower throughput than the CLI run directly
-    against the same server on a busy 2-core machine, while a fresh process matched it."""
+def run_logged(cmd: list[str], log_path: Path) -> int:
+    """Run a vLLM CLI command with its output in `log_path`; on Ctrl-C or SIGTERM end it before re-raising."""
     import subprocess
-    import sys
 
-    from ..server import _set_pdeathsig
-
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as logf:
         logf.write("$ " + " ".join(cmd) + "\n")
         logf.flush()
         p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig)
         try:
-            rc = p.wait()
-        except BaseException:  # Ctrl-C / SIGTERM: do not leave the client behind
+            return p.wait()
+        except BaseException:
             p.terminate()
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
             raise
+
+
+def vllm_bench_serve(args: list[str], log_path: Path) -> None:
+    """Run `vllm bench serve ARGS`: vLLM's own CLI, in a fresh process, output in `log_path`.
+
+    A fresh process per run rather than vLLM's benchmark function called in this long-lived one: on a busy
+    2-core machine the in-process client measured 5-7 % lower throughput than the CLI run directly against
+    the same server, while a fresh process matched it within the noise."""
+    import sys
+
+    rc = run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
@@ -586,10 +589,7 @@ def _served_name(recipe: Recipe) -> str:
 
 def offline(model: Path, engine: dict, w: Workload, out: Path) -> dict:
     """`vllm bench latency` (batch 1) and `vllm bench throughput`, each in its own engine process."""
-    import subprocess
     import sys
-
-    from ..server import _set_pdeathsig
 
     res: dict = {"input_len": w.input_len, "output_len": w.output_len, "num_prompts": w.num_prompts}
     flags = engine_flags(engine)
@@ -598,30 +598,16 @@ def offline(model: Path, engine: dict, w: Workload, out: Path) -> dict:
                     "--num-iters-warmup", "2", "--num-iters", "5"],
         # --random-*: vLLM 0.32's throughput bench prefers its --random-input-len default (1024) over --input-len.
         "throughput": ["--dataset-name", "random", "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len),
-                       "--random-range-ratio", "0", "--num-prompts", str(w.num_prompts)],
+                       "--random-range-ratio", "0.0", "--num-prompts", str(w.num_prompts)],
     }
     for kind, extra in runs.items():
         js = out / "offline" / f"{kind}.json"
         js.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", kind, "--model", str(model), *extra, *flags, "--output-json", str(js)]
         t0 = time.perf_counter()
-        with open(out / "logs" / f"offline-{kind}.log", "w") as logf:
-            logf.write("$ " + " ".join(cmd) + "\n")
-            logf.flush()
-            p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig)
-            try:
-                rc = p.wait()
-            except BaseException:
-                p.terminate()
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                raise
+        rc = run_logged(cmd, out / "logs" / f"offline-{kind}.log")
         res[f"{kind}_wall_s"] = round(time.perf_counter() - t0, 2)
         if rc != 0 or not js.is_file():
-            from ..server import failure_reason
-
             res["error"] = f"vllm bench {kind} failed (exit {rc}): " + failure_reason((out / "logs" / f"offline-{kind}.log").read_text(errors="replace"))
             return res
         data = json.loads(js.read_text())
