@@ -419,13 +419,9 @@ def make_plots(summary: dict, plot_dir: Path) -> list[dict]:
 
 
 def _bytes(n) -> str:
-    if not isinstance(n, (int, float)):
-        return "—"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    from .stages.package import human_bytes  # light: the package module imports no framework
+
+    return human_bytes(n)
 
 
 def _fmt(v, digits: int = 3) -> str:
