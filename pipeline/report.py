@@ -425,15 +425,9 @@ def _bytes(n) -> str:
 
 
 def _fmt(v, digits: int = 3) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "—"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, int) or v == 0:
-        return str(v)
-    if abs(v) < 1e-3 or abs(v) >= 1e6:
-        return f"{v:.{digits}g}"
-    return f"{v:.{digits}f}"
+    from .stages.package import fmt  # one number format for the report and the model card
+
+    return fmt(v, digits)
 
 
 def _env(autoescape: bool):

@@ -394,7 +394,7 @@ def _template(name: str) -> str:
 
 def fmt(v, digits: int = 3) -> str:
     """A number for a table: fixed decimals, scientific when tiny or huge, '—' when not measured."""
-    if v is None or (isinstance(v, float) and v != v):
+    if v is None or (isinstance(v, float) and (v != v or v in (float("inf"), float("-inf")))):
         return "—"
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
