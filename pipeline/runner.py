@@ -53,10 +53,10 @@ class Step:
     values: dict = field(default_factory=dict)  # plain keyword arguments for the stage
     cfg: dict = field(default_factory=dict)  # what of the recipe the stage reads (goes into its key)
     key: str = ""
+    env: str = ""  # the environment it runs in; empty: the stage kind's default (envs.STAGES)
 
-    @property
-    def env(self) -> str:
-        return STAGES[self.kind][1]
+    def __post_init__(self) -> None:
+        self.env = self.env or STAGES[self.kind][1]
 
 
 def cache_root(recipe: Recipe) -> Path:
