@@ -1,21 +1,58 @@
 #!/usr/bin/env bash
-# On the H200 host, after the wheel bundles were copied to /tmp/w/{vllm,llmc,extra}:
-#   scripts/h200_run.sh [quantpipe run args...]
-# installs them (scripts/gpu_env.sh), builds the 8B-shaped model, runs recipes/h200-llama3-8b.yaml
-# and leaves run.json, reports and logs in $OUT (when set).
+# quantpipe on an offline H200 host, in device calls of at most 10 minutes each (the host keeps
+# /tmp only while calls follow each other). The wheel bundles are carried in first, one folder per
+# call, and copied to /tmp/w/{vllm,llmc,extra}; .gpu/tiny is a copy of the tiny models (.tiny/).
+#
+#   scripts/h200_run.sh install                 install the bundles, build the 8B-shaped model + LoRA
+#   scripts/h200_run.sh run RECIPE [ARGS...]    quantpipe run RECIPE ARGS, results into $OUT
+#   scripts/h200_run.sh bench-serve ARTIFACT_DIR OUTNAME [vllm bench serve args...]
+#                                               a bare `vllm serve` + `vllm bench serve`, to set
+#                                               beside the benchmark stage's figures
+# Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
-bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
-source /tmp/qp/env.sh
-echo "install: $(( $(date +%s) - t0 )) s"
-python3 scripts/make_shaped_model.py --shape llama3-8b --tokenizer .gpu/tok --out /tmp/qp/models/llama3-8b || exit 1
-echo "model: $(( $(date +%s) - t0 )) s"
-export QUANTPIPE_CACHE=/tmp/qp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python3 -m quantpipe run recipes/h200-llama3-8b.yaml "$@"
-rc=$?
-echo "run rc=$rc after $(( $(date +%s) - t0 )) s"
-if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/h200.tgz" -C /tmp/qp/out h200-llama3-8b/runs 2>/dev/null
-fi
-exit $rc
+phase=$1; shift
+export QUANTPIPE_CACHE=/tmp/qp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+case $phase in
+install)
+  bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
+  echo "install: $(( $(date +%s) - t0 )) s"
+  [ -d .gpu/tiny ] && { mkdir -p /tmp/qp/tiny && cp -r .gpu/tiny/. /tmp/qp/tiny/; }
+  source /tmp/qp/env.sh
+  [ -d /tmp/qp/models/llama3-8b/base ] || python3 scripts/make_shaped_model.py --shape llama3-8b --tokenizer .gpu/tok --out /tmp/qp/models/llama3-8b || exit 1
+  echo "model: $(( $(date +%s) - t0 )) s"
+  ;;
+run)
+  source /tmp/qp/env.sh
+  recipe=$1; shift
+  name=$(basename "$recipe" .yaml)
+  python3 -m quantpipe run "$recipe" "$@"
+  rc=$?
+  echo "run rc=$rc after $(( $(date +%s) - t0 )) s"
+  if [ -n "${OUT:-}" ]; then
+    out=$(python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$recipe")
+    last=$(ls -td "$out"/runs/*/ | head -1)
+    for f in run.json report.md report.json; do cp "$last/$f" "$OUT/$name-$(date +%H%M%S)-$f" 2>/dev/null; done
+    tar czf "$OUT/$name-$(date +%H%M%S)-logs.tgz" -C "$last" logs run.log 2>/dev/null
+  fi
+  exit $rc
+  ;;
+bench-serve)
+  source /tmp/qp/env.sh
+  model=$1 name=$2; shift 2
+  PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra PATH=/tmp/qp/vllm/bin:$PATH python3 -m vllm.entrypoints.cli.main serve "$model" \
+    --host 127.0.0.1 --port 8321 --max-model-len 2048 --gpu-memory-utilization 0.85 > /tmp/qp/bare-serve.log 2>&1 &
+  pid=$!
+  until curl -sf http://127.0.0.1:8321/health >/dev/null; do sleep 1; kill -0 $pid 2>/dev/null || { tail -30 /tmp/qp/bare-serve.log; exit 1; }; done
+  echo "bare server up after $(( $(date +%s) - t0 )) s"
+  PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra python3 -m vllm.entrypoints.cli.main bench serve --backend openai \
+    --host 127.0.0.1 --port 8321 --endpoint /v1/completions --model "$model" --save-result \
+    --result-dir "${OUT:-/tmp/qp}" --result-filename "$name.json" "$@"
+  rc=$?
+  kill $pid; wait $pid 2>/dev/null
+  echo "bench-serve rc=$rc after $(( $(date +%s) - t0 )) s"
+  exit $rc
+  ;;
+*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS]" >&2; exit 2 ;;
+esac
