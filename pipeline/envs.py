@@ -58,9 +58,10 @@ def lock_text(env: str) -> str:
     lock = REPO / "scripts" / "envs" / f"{env}.lock"
     if lock.is_file() and not os.environ.get(f"QUANTPIPE_PYTHON_{env.upper()}"):
         return lock.read_text()
-    try:
+    try:  # every distribution the interpreter sees, also those on its PYTHONPATH (pip freeze skips --target dirs)
         py = python_for(env)
-        return subprocess.run([str(py), "-m", "pip", "freeze"], capture_output=True, text=True, timeout=60).stdout
+        code = "import importlib.metadata as m; print('\\n'.join(sorted({f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions()})))"
+        return subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=60).stdout
     except (EnvError, OSError, subprocess.SubprocessError):
         return ""
 

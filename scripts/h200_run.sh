@@ -10,6 +10,7 @@
 #                                               beside the benchmark stage's figures
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 set -uo pipefail
+files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
 phase=$1; shift
@@ -18,9 +19,9 @@ case $phase in
 install)
   bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
   echo "install: $(( $(date +%s) - t0 )) s"
-  [ -d .gpu/tiny ] && { mkdir -p /tmp/qp/tiny && cp -r .gpu/tiny/. /tmp/qp/tiny/; }
+  [ -d "$files/tiny" ] && { mkdir -p /tmp/qp/tiny && cp -r "$files/tiny/." /tmp/qp/tiny/; }
   source /tmp/qp/env.sh
-  [ -d /tmp/qp/models/llama3-8b/base ] || python3 scripts/make_shaped_model.py --shape llama3-8b --tokenizer .gpu/tok --out /tmp/qp/models/llama3-8b || exit 1
+  [ -d /tmp/qp/models/llama3-8b/base ] || python3 scripts/make_shaped_model.py --shape llama3-8b --tokenizer "$files/tok" --out /tmp/qp/models/llama3-8b || exit 1
   echo "model: $(( $(date +%s) - t0 )) s"
   ;;
 run)
