@@ -13,11 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
 
 MARKER = "entry.json"
+_LEFTOVER = re.compile(r"\.(?:tmp|old|bad)-(\d+)-\d+$")  # .<key>.tmp-<pid>-<ns>: begin(), commit(), discard()
 
 
 def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
@@ -158,16 +160,14 @@ class StageCache:
             shutil.rmtree(trash, ignore_errors=True)
 
     def sweep(self) -> None:
-        """Remove working folders left by runs that died (their pid is gone)."""
+        """Remove what runs that died (their pid is gone) left: working folders, and replaced or
+        discarded entries they were deleting when killed."""
         stages = self.root / "stages"
         if not stages.exists():
             return
-        for p in stages.glob("**/.*.tmp-*"):
-            try:
-                pid = int(p.name.split(".tmp-")[1].split("-")[0])
-            except (IndexError, ValueError):
-                continue
-            if not _alive(pid):
+        for p in stages.glob("**/.*"):
+            m = _LEFTOVER.search(p.name)
+            if m and p.is_dir() and not _alive(int(m.group(1))):
                 shutil.rmtree(p, ignore_errors=True)
 
 

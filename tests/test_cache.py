@@ -102,3 +102,19 @@ def test_tree_hash_depends_on_names_and_content(tmp_path):
     (d / "b").rename(d / "c")
     assert h.tree(d) != t1
     assert hash_json({"a": 1, "b": 2}) == hash_json({"b": 2, "a": 1})
+
+
+def test_sweep_removes_what_dead_runs_left_and_nothing_else(tmp_path):
+    """Working, replaced (.old) and discarded (.bad) folders of a run that died go; a live run's stay."""
+    cache = StageCache(tmp_path)
+    cache.commit(build(cache, "merge", "k"), "merge", "k", {})
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    parent = cache.entry("merge", "k").parent
+    left = [parent / f".k.{kind}-{dead.pid}-1" for kind in ("tmp", "old", "bad")]
+    live = parent / f".k.tmp-{os.getpid()}-2"
+    for d in [*left, live]:
+        (d / "out").mkdir(parents=True)
+    cache.sweep()
+    assert [d for d in left if d.exists()] == [] and live.exists()
+    assert cache.lookup("merge", "k") is not None  # committed entries are never touched
