@@ -9,6 +9,7 @@ prints the JSON schema; `quantpipe check RECIPE` validates without running anyth
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -305,7 +306,10 @@ class Recipe(Strict):
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"{source}: {err.error_count()} problem(s) in the recipe:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not (isinstance(p, str) and p in METHODS_TAGS))
+        parts = list(e["loc"])
+        if len(parts) > 2 and parts[0] == "artifacts" and parts[2] in METHODS_TAGS:
+            del parts[2]  # the union's tag (artifacts.0.awq.group_size): not a key the user wrote
+        loc = ".".join(str(p) for p in parts)
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key; remove it or fix its spelling (`quantpipe schema` lists the keys)"
@@ -323,39 +327,58 @@ METHODS_TAGS = set(METHODS)
 def _resolve_paths(data: dict, root: Path) -> dict:
     """Make the recipe's local paths absolute (relative to the recipe file's folder)."""
 
-    def fix(p: str | None) -> str | None:
+    def fix(p: str | None, field: str) -> str | None:
         if p is None:
             return None
-        q = Path(p).expanduser()
-        return str(q if q.is_absolute() else (root / q).resolve())
+        try:
+            q = Path(p).expanduser()
+        except RuntimeError:  # ~user of a user that does not exist: a relative path like any other
+            q = Path(p)
+        if len(os.fsencode(root / q)) > 4095 or any(len(os.fsencode(c)) > 255 for c in q.parts):
+            raise RecipeError(f"{field}: {p[:60]!r}... is longer than a file path can be; fix the path")
+        if q.is_absolute():
+            return str(q)
+        try:
+            return str((root / q).resolve())
+        except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte: the file checks report it missing
+            return os.path.abspath(root / q)
+
+    def listed(v) -> list:
+        return v if isinstance(v, list) else []  # anything else is the schema's to refuse
 
     base = data.get("base")
     if isinstance(base, dict) and isinstance(base.get("model"), str):
         m = base["model"]
-        local = root / Path(m).expanduser()
-        if m.startswith((".", "/", "~")) or local.exists() or not HUB_ID.match(m):
-            base["model"] = fix(m)
-    for a in data.get("adapters") or []:
+        if m.startswith((".", "/", "~")) or _exists(root / m) or not HUB_ID.match(m):
+            base["model"] = fix(m, "base.model")
+    for i, a in enumerate(listed(data.get("adapters"))):
         if isinstance(a, dict) and isinstance(a.get("path"), str):
-            a["path"] = fix(a["path"])
+            a["path"] = fix(a["path"], f"adapters.{i}.path")
     cal = data.get("calibration")
     if isinstance(cal, dict):
-        for s in cal.get("sources") or []:
+        for i, s in enumerate(listed(cal.get("sources"))):
             if isinstance(s, dict) and isinstance(s.get("path"), str):
-                s["path"] = fix(s["path"])
+                s["path"] = fix(s["path"], f"calibration.sources.{i}.path")
     ev = data.get("evaluation")
     if isinstance(ev, dict):
         if isinstance(ev.get("lm_eval"), dict) and isinstance(ev["lm_eval"].get("include_path"), str):
-            ev["lm_eval"]["include_path"] = fix(ev["lm_eval"]["include_path"])
+            ev["lm_eval"]["include_path"] = fix(ev["lm_eval"]["include_path"], "evaluation.lm_eval.include_path")
         val = ev.get("validation")
         if isinstance(val, dict):
             for k in ("path", "json_schema"):
                 if isinstance(val.get(k), str):
-                    val[k] = fix(val[k])
+                    val[k] = fix(val[k], f"evaluation.validation.{k}")
     for k in ("output_dir", "cache_dir"):
         if isinstance(data.get(k), str):
-            data[k] = fix(data[k])
+            data[k] = fix(data[k], k)
     return data
+
+
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except OSError:  # a name too long for the file system...
+        return False
 
 
 def _check_files(r: Recipe) -> list[str]:
@@ -425,12 +448,18 @@ def parse(text: str, root: Path, source: str = "recipe", check_files: bool = Tru
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe is a YAML mapping (key: value lines), got {type(data).__name__}")
     _check_size(data, source)
-    data = _resolve_paths(data, root)
+    try:
+        data = _resolve_paths(data, root)
+    except RecipeError as e:
+        raise RecipeError(f"{source}: {e}") from None
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_format_error(e, source)) from None
-    problems = _check_files(recipe) if check_files else []
+    try:
+        problems = _check_files(recipe) if check_files else []
+    except OSError as e:  # a path the file system refuses (too long, no permission to look): name it
+        raise RecipeError(f"{source}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path") from None
     if problems:
         raise RecipeError(f"{source}: {len(problems)} problem(s) with the files it names:\n" + "\n".join(f"  - {p}" for p in problems))
     return recipe
