@@ -36,10 +36,17 @@ def _console():
 
 
 def _load(path: str):
+    """The recipe, with its calibration, validation and adapter files read as the stages will: a bad row is bad input."""
     try:
-        return load(path)
+        r = load(path)
     except RecipeError as e:
         raise BadInput(str(e)) from None
+    from .inputs import problems as data_problems
+
+    problems = data_problems(r)
+    if problems:
+        raise BadInput(f"{path}: {len(problems)} problem(s) with the files it names:\n" + "\n".join(f"  - {p}" for p in problems))
+    return r
 
 
 def _csv(value: str | None) -> set[str] | None:
