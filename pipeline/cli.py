@@ -112,12 +112,17 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait):
             from rich.table import Table
 
             rows = runner.dry_run(forced, kinds, _csv(artifacts))
-            t = Table(title=f"plan for {recipe} (nothing written)")
-            for col in ("stage", "env", "key", "cache"):
-                t.add_column(col)
+            gpu = any(row["gpu_gib"] is not None for row in rows)
+            t = Table(title=f"plan for {recipe} (nothing written)", caption="RAM, disk" + (", GPU" if gpu else "") + ": pre-flight estimates in GiB")
+            for col in ("stage", "env", "key", "cache", "RAM", *(("GPU",) if gpu else ()), "disk"):
+                t.add_column(col, no_wrap=True)
+            gib = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
             for row in rows:
-                t.add_row(row["stage"], row["env"], row["key"], row["cache"])
+                est = [gib(row["ram_gib"]), *((gib(row["gpu_gib"]),) if gpu else ()), gib(row["disk_gib"])]
+                t.add_row(row["stage"], row["env"], row["key"], row["cache"], *est)
             console.print(t)
+            for p in runner.preflight_problems:
+                console.print(f"[yellow]pre-flight: would refuse:[/yellow] {p}")
             return
         code = runner.run(forced, kinds, _csv(artifacts), wait=wait)
     except RunError as e:

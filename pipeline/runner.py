@@ -27,7 +27,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from . import __version__
+from . import __version__, preflight
 from .cache import ContentHasher, StageCache, hash_json
 from .envs import STAGES, git_commit, hardware, hardware_key, lock_hash, python_for, source_hash, versions
 from .recipe import Recipe
@@ -210,14 +210,31 @@ class Runner:
         return base_dir, select(steps, kinds, artifacts)
 
     def dry_run(self, force: set[str], kinds=None, artifacts=None) -> list[dict]:
-        _, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)
+        base_dir, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)
+        have = preflight.machine(self.cache.root, self.out_dir)
+        est = preflight.estimate(self.recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
         rows = []
         for s in steps:
             state = "forced" if _forced(s, force) else ("hit" if s.key and self.cache.lookup(s.id, s.key) else "miss")
-            rows.append({"stage": s.id, "env": s.env, "key": s.key[:12], "cache": state})
+            e = preflight.record(est, s.id) or {}
+            rows.append({"stage": s.id, "env": s.env, "key": s.key[:12], "cache": state, "ram_gib": e.get("ram_gib"), "gpu_gib": e.get("gpu_gib"),
+                         "disk_gib": (e.get("disk_cache_gib", 0) + e.get("disk_output_gib", 0)) if e else None})
+        self.preflight_problems = preflight.problems(self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"})
         return rows
 
+    def _preflight(self, force: set[str], kinds, artifacts) -> dict:
+        """Estimate each stage's memory and disk and refuse, before anything is written, a run that will not fit."""
+        base_dir, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)
+        todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
+        try:
+            est, have = preflight.check(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)
+        except preflight.PreflightError as e:
+            raise RunError(str(e)) from None
+        self.available = preflight.available_gib(have)
+        return est
+
     def run(self, force: set[str], kinds=None, artifacts=None, wait: bool = False) -> int:
+        self.estimates = self._preflight(force, kinds, artifacts)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.out_dir / ".quantpipe.lock"))
         try:
@@ -250,6 +267,7 @@ class Runner:
             "versions": {e: versions(e) for e in ("quantize", "serve")}, "hardware": hardware(),
             "cache_dir": str(self.cache.root), "stages": {}, "artifacts": {},
         }
+        record["available"] = getattr(self, "available", None)  # what pre-flight compared the estimates with
         self._write_record(run_dir, record)
         old_handlers = self._trap_signals(run_dir, record)
         try:
@@ -260,6 +278,7 @@ class Runner:
             failed: dict[str, str] = {}
             for s in steps:
                 rec = self._do_step(s, base_dir, outs, failed, force, run_dir)
+                rec["preflight"] = {"estimate": preflight.record(getattr(self, "estimates", {}), s.id), "actual": preflight.actual_peak(rec.get("metrics", {}))}
                 record["stages"][s.id] = rec
                 self._write_record(run_dir, record)
             self._finish(record, steps, outs, failed, run_dir)

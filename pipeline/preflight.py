@@ -1,0 +1,355 @@
+"""Pre-flight: will each stage fit this machine? Estimated from the model's config and the recipe, before anything runs.
+
+A stage that needs more memory or disk than the machine has should be refused in a second, not fail
+an hour in. The estimates are deliberately simple upper bounds (P parameters, b bytes per element
+of base.dtype, N calibration samples of S tokens, hidden size h, L layers, GiB = 2**30 bytes):
+
+    merge      RAM  P*4 (base loaded in fp32) + 2*adapter file + P*b (merged copy) + runtime
+    quantize   RAM  P*b + P*q (compressed copy at save) + 2*N*S*h*b (layer inputs/outputs of the
+                    sequential pipeline) + GPTQ Hessians (in*in fp32 per Linear of one layer; every
+                    layer with pipeline: basic) + AWQ activation cache (N*S*(2h+heads*head_dim+i)*4)
+                    + runtime;  GPU (if any): 2*one layer + embeddings + Hessians + activations
+    evaluate   RAM  2*P*b (artifact decompressed + baseline for KL) + runtime
+    benchmark  RAM  weights + KV cache (kv_cache_memory_bytes, else what the stage picks) + vLLM runtime;
+               GPU  gpu_memory_utilization (default 0.9) * GPU memory, which must hold weights + one
+                    max_model_len sequence of KV cache
+    disk       merge P*b, quantize and package the artifact's size (q bytes per quantized weight,
+               embeddings and ignored modules in b) in the cache, package once more in output_dir
+
+Only stages that will run (cache misses, forced) are checked; every estimate goes into run.json
+next to the peak the stage measured. `QUANTPIPE_PREFLIGHT=off` skips the refusal (not the record).
+
+    quantpipe run recipes/demo.yaml --dry-run     # the plan, with each stage's estimate
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+GIB = 2**30
+RUNTIME_BYTES = {"quantize": int(1.5 * GIB), "serve": 3 * GIB}  # torch + libraries; vLLM's engine and API processes
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the benchmark stage's minimum (stages/benchmark.py)
+
+
+class PreflightError(Exception):
+    """A stage will not fit; the message names it, the estimate, what is there and what to change."""
+
+
+# --- what the model is --------------------------------------------------------------------------
+
+
+def model_shape(model_dir: str | Path) -> dict | None:
+    """Dimensions from config.json (text_config for multimodal configs) and the parameter count
+    (from the safetensors headers where readable, else from the config). None when unknown."""
+    d = Path(model_dir)
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    c = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    try:
+        h, L, heads, V = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
+        kv = int(c.get("num_key_value_heads") or heads)
+        hd = int(c.get("head_dim") or h // heads)
+        inter = int(c.get("intermediate_size") or 4 * h)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if min(h, L, heads, V, kv, hd, inter) <= 0:
+        return None
+    tied = bool(cfg.get("tie_word_embeddings", c.get("tie_word_embeddings", False)))
+    layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h
+    from_config = V * h * (1 if tied else 2) + L * layer + h
+    counted = _safetensors_params(d)
+    return {"hidden": h, "layers": L, "heads": heads, "kv_heads": kv, "head_dim": hd, "intermediate": inter, "vocab": V,
+            "tied": tied, "params": counted or from_config, "params_from": "safetensors" if counted else "config",
+            "layer_params": layer, "max_len": int(c.get("max_position_embeddings") or 0) or None}
+
+
+def _safetensors_params(d: Path) -> int | None:
+    total = 0
+    for f in sorted(d.glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                if n > 100 * 2**20:
+                    return None
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError, struct.error):
+            return None
+        for k, v in header.items():
+            if k != "__metadata__" and isinstance(v, dict):
+                size = 1
+                for s in v.get("shape", []):
+                    size *= int(s)
+                total += size
+    return total or None
+
+
+def artifact_bytes(a, m: dict, b: int) -> int:
+    """On-disk size of an artifact: quantized Linear weights at q bytes, embeddings and ignored modules at b."""
+    if a is None:
+        return m["params"] * b
+    bits = getattr(a, "bits", 4 if a.method in ("awq", "rtn") else 8)
+    group = getattr(a, "group_size", None)
+    q = bits / 8 + (2 * 2 / group if group else 0)  # per-group scale and zero point
+    unquantized = m["vocab"] * m["hidden"] * (1 if m["tied"] or "lm_head" not in a.ignore else 2)
+    unquantized = min(unquantized, m["params"])
+    return int((m["params"] - unquantized) * q + unquantized * b)
+
+
+# --- estimates ----------------------------------------------------------------------------------
+
+
+def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int | None = None) -> dict[str, dict]:
+    """Per step id: {ram_bytes, gpu_bytes, disk_cache_bytes, disk_output_bytes, terms}; {} when the model is unknown."""
+    m = model_shape(base_dir)
+    if m is None:
+        return {}
+    b = DTYPE_BYTES[recipe.base.dtype]
+    P, h, L = m["params"], m["hidden"], m["layers"]
+    arts = {a.name: a for a in recipe.artifacts}
+    adapters = sum(_size(Path(a.path) / "adapter_model.safetensors") or _size(Path(a.path) / "adapter_model.bin") for a in recipe.adapters)
+    c = recipe.calibration
+    N, S = (c.num_samples, c.max_seq_len) if c else (0, 0)
+    out = {}
+    for s in steps:
+        a = arts.get(s.artifact)
+        terms: dict[str, int] = {}
+        gpu_terms: dict[str, int] = {}
+        disk_cache = disk_out = 0
+        if s.kind == "merge":
+            if recipe.adapters:
+                terms = {"base in fp32": P * 4, "adapters": 2 * adapters, f"merged copy in {recipe.base.dtype}": P * b}
+                disk_cache = P * b
+        elif s.kind == "quantize":
+            size = artifact_bytes(a, m, b)
+            terms = {f"model in {recipe.base.dtype}": P * b, "compressed copy at save": size}
+            calibrated = not (a.method == "fp8" and a.mode != "static") and a.method != "rtn"
+            if calibrated and c:
+                terms["layer activations (2*N*S*h*b)"] = 2 * N * S * h * b
+                if a.method in ("gptq", "w8a8-int8"):
+                    hess = (5 * h * h + (m["heads"] * m["head_dim"]) ** 2 + m["intermediate"] ** 2) * 4
+                    terms["GPTQ Hessians"] = hess * (L if a.pipeline == "basic" else 1)
+                if a.method == "awq":
+                    terms["AWQ activation cache"] = N * S * (2 * h + m["heads"] * m["head_dim"] + m["intermediate"]) * 4
+            if gpu:
+                gpu_terms = {"one decoder layer (x2)": 2 * m["layer_params"] * b, "embeddings and lm_head": m["vocab"] * h * b * (1 if m["tied"] else 2)}
+                gpu_terms |= {k: v for k, v in terms.items() if k.startswith(("GPTQ", "AWQ", "layer activations"))}
+            disk_cache = size
+        elif s.kind == "evaluate":
+            terms = {f"model in {recipe.base.dtype}": P * b}
+            if a is not None:
+                terms["baseline (for KL)"] = P * b
+            if gpu:
+                gpu_terms, terms = dict(terms), {"loading": P * b}
+        elif s.kind == "benchmark":
+            weights = artifact_bytes(a, m, b)
+            engines = [recipe.benchmark.engine] + [v.engine for v in recipe.benchmark.variants]
+            if gpu:
+                util = max(e.gpu_memory_utilization or 0.9 for e in engines)
+                max_len = max(e.max_model_len or m["max_len"] or 2048 for e in engines)
+                gpu_terms = {f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(util * gpu["total_bytes"])}
+                gpu_terms["_needs"] = weights + _kv_per_token(m, engines) * max_len  # must fit inside the reservation
+            else:
+                kv = max(_cpu_kv(e, m, ram_available) for e in engines)
+                terms = {"weights": weights, "KV cache": kv}
+        elif s.kind == "package":
+            size = artifact_bytes(a, m, b)
+            terms = {"weights": size}
+            disk_cache = disk_out = size
+        terms["runtime"] = RUNTIME_BYTES.get(s.env, RUNTIME_BYTES["quantize"])
+        out[s.id] = {
+            "ram_bytes": sum(terms.values()), "gpu_bytes": sum(v for k, v in gpu_terms.items() if not k.startswith("_")) if gpu_terms else None,
+            "disk_cache_bytes": disk_cache, "disk_output_bytes": disk_out, "terms": terms, "gpu_terms": gpu_terms,
+        }
+    return out
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _kv_per_token(m: dict, engines) -> int:
+    elt = 1 if any((e.kv_cache_dtype or "auto").startswith("fp8") for e in engines) else 2
+    return 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * elt
+
+
+def _cpu_kv(e, m: dict, ram_available: int | None) -> int:
+    """The CPU KV cache the benchmark stage will allocate: the recipe's, or its own pick (capped at a quarter of free memory)."""
+    if e.kv_cache_memory_bytes:
+        return e.kv_cache_memory_bytes
+    want = max(DEFAULT_CPU_KV_BYTES, int(_kv_per_token(m, [e]) * (e.max_model_len or m["max_len"] or 2048) * 1.1))
+    return min(want, ram_available // 4) if ram_available else want
+
+
+# --- what the machine has -------------------------------------------------------------------------
+
+
+def machine(cache_dir: Path, out_dir: Path) -> dict:
+    """Available memory (MemAvailable, within a cgroup limit), the first GPU's memory, free disk at both dirs."""
+    ram = None
+    try:
+        import psutil
+
+        ram = psutil.virtual_memory().available
+    except Exception:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            ram = min(ram or 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return {"ram_bytes": ram, "gpu": gpu_memory(), "disk": {"cache": _disk(cache_dir), "output": _disk(out_dir)}}
+
+
+def gpu_memory() -> dict | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        total, free = (int(float(x)) * 2**20 for x in r.stdout.strip().splitlines()[0].split(","))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+    return {"total_bytes": total, "free_bytes": free}
+
+
+def _disk(p: Path) -> dict | None:
+    p = Path(p).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return {"path": str(p), "free_bytes": shutil.disk_usage(p).free, "dev": os.stat(p).st_dev}
+    except OSError:
+        return None
+
+
+# --- the verdict --------------------------------------------------------------------------------
+
+
+def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[str]:
+    """Sentences for every stage in `to_build` that will not fit; [] when all do (or nothing is known)."""
+    out = []
+    for sid, e in estimates.items():
+        if sid not in to_build:
+            continue
+        ram = have.get("ram_bytes")
+        if ram is not None and e["ram_bytes"] > ram:
+            out.append(f"{sid} needs about {_gib(e['ram_bytes'])} of memory ({_terms(e['terms'])}) but {_gib(ram)} is available; "
+                       + _advice(recipe, sid, e["terms"]))
+        g = have.get("gpu")
+        if g and e["gpu_bytes"] is not None:
+            needs = e["gpu_terms"].get("_needs")
+            if e["gpu_bytes"] > g["free_bytes"]:
+                out.append(f"{sid} needs about {_gib(e['gpu_bytes'])} of GPU memory ({_terms(e['gpu_terms'])}) but {_gib(g['free_bytes'])} "
+                           f"is free; " + _advice(recipe, sid, e["gpu_terms"]))
+            elif needs and needs > e["gpu_bytes"]:
+                out.append(f"{sid}: the weights and one max_model_len sequence of KV cache need about {_gib(needs)}, more than the "
+                           f"{_gib(e['gpu_bytes'])} vLLM reserves; set a smaller benchmark.engine.max_model_len or a higher gpu_memory_utilization")
+    need = {"cache": sum(e["disk_cache_bytes"] for s, e in estimates.items() if s in to_build),
+            "output": sum(e["disk_output_bytes"] for s, e in estimates.items() if s in to_build)}
+    disks = have.get("disk") or {}
+    if disks.get("cache") and disks.get("output") and disks["cache"]["dev"] == disks["output"]["dev"]:
+        need = {"cache": need["cache"] + need["output"], "output": 0}
+    for where, n in need.items():
+        d = disks.get(where)
+        if d and n > d["free_bytes"]:
+            knob = "cache_dir (or $QUANTPIPE_CACHE)" if where == "cache" else "output_dir"
+            out.append(f"the stages to run write about {_gib(n)} to {d['path']} but {_gib(d['free_bytes'])} is free there; "
+                       f"free some space or point {knob} at a larger disk")
+    return out
+
+
+def _advice(recipe, sid: str, terms: dict) -> str:
+    kind = sid.split(":")[0]
+    if kind == "quantize":
+        tips = []
+        if any(k.startswith(("layer activations", "AWQ")) for k in terms):
+            tips.append(f"fewer calibration samples (calibration.num_samples, now {recipe.calibration.num_samples}) or shorter "
+                        f"sequences (calibration.max_seq_len, now {recipe.calibration.max_seq_len})")
+        if any(k.startswith("GPTQ") for k in terms):
+            tips.append("sequential onloading (pipeline: sequential, sequential_targets: [<DecoderLayer class>]) so one layer's Hessians exist at a time")
+        tips.append("a machine with more memory for the model itself")
+        return "to fit: " + "; or ".join(tips)
+    if kind == "benchmark" and "KV cache" in terms:
+        return "to fit: a smaller benchmark.engine.kv_cache_memory_bytes or max_model_len, or benchmark.enabled: false on this machine"
+    if kind == "benchmark":
+        return "to fit: a lower benchmark.engine.gpu_memory_utilization, or free the GPU"
+    if kind == "merge":
+        return "to fit: merge on a machine with more memory once, then point base.model at the merged model and drop adapters"
+    if kind == "evaluate":
+        return "to fit: a machine with more memory, or evaluate fewer artifacts at once (--artifacts)"
+    return "to fit: a machine with more memory"
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _terms(terms: dict) -> str:
+    return " + ".join(f"{k} {_gib(v)}" for k, v in terms.items() if not k.startswith("_") and v)
+
+
+def record(estimates: dict, sid: str) -> dict | None:
+    """The estimate as run.json keeps it (GiB)."""
+    e = estimates.get(sid)
+    if e is None:
+        return None
+    r = {k.replace("_bytes", "_gib"): round(v / GIB, 3) for k, v in e.items() if k.endswith("_bytes") and v is not None}
+    r["terms_gib"] = {k: round(v / GIB, 3) for k, v in e["terms"].items() if v}
+    return r
+
+
+def actual_peak(metrics: dict) -> dict:
+    """The largest peak_rss_gib / peak_gpu_gib anywhere in a stage's metrics (the worker's, a server's)."""
+    peaks: dict[str, float] = {}
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k in ("peak_rss_gib", "peak_gpu_gib") and isinstance(v, (int, float)):
+                    peaks[k] = max(peaks.get(k, 0.0), float(v))
+                else:
+                    walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(metrics)
+    return peaks
+
+
+def check(recipe, steps, base_dir: str, cache_dir: Path, out_dir: Path, to_build: set[str]) -> tuple[dict, dict]:
+    """Estimate, compare, raise PreflightError on a stage that will not fit; return (estimates, machine)."""
+    have = machine(cache_dir, out_dir)
+    est = estimate(recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
+    bad = problems(recipe, est, have, to_build)
+    if bad and os.environ.get("QUANTPIPE_PREFLIGHT", "").lower() not in ("off", "0", "false", "no"):
+        raise PreflightError(
+            "pre-flight: this run would not fit the machine:\n" + "\n".join(f"  - {p}" for p in bad)
+            + "\n(estimates are upper bounds: `quantpipe run --dry-run` shows them; QUANTPIPE_PREFLIGHT=off runs anyway)"
+        )
+    return est, have
+
+
+def available_gib(have: dict) -> dict:
+    """What the machine had when the run started, as run.json keeps it."""
+    g, d = have.get("gpu"), have.get("disk") or {}
+    r = {"ram_gib": round(have["ram_bytes"] / GIB, 2) if have.get("ram_bytes") is not None else None}
+    if g:
+        r |= {"gpu_total_gib": round(g["total_bytes"] / GIB, 2), "gpu_free_gib": round(g["free_bytes"] / GIB, 2)}
+    r |= {f"disk_{k}_free_gib": round(v["free_bytes"] / GIB, 2) for k, v in d.items() if v}
+    return r

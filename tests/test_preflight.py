@@ -1,0 +1,149 @@
+"""Pre-flight estimates: parameter counts against transformers, the method overheads, refusals (fast, no stage runs).
+
+    .venv/quantize/bin/python -m pytest tests/test_preflight.py -q
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from quantpipe import preflight
+from quantpipe.cli import main
+from quantpipe.recipe import Recipe, parse
+from quantpipe.runner import build_steps
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 640, "vocab_size": 1000, "tie_word_embeddings": False,
+         "max_position_embeddings": 1024}
+QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True}
+
+
+def model_dir(tmp_path: Path, config: dict, name: str = "model") -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def recipe(tmp_path: Path, model: Path, **over) -> Recipe:
+    cal = tmp_path / "cal.jsonl"
+    cal.write_text('{"text": "hello"}\n')
+    data = {"name": "p", "output_dir": str(tmp_path / "out"), "base": {"model": str(model)},
+            "calibration": {"sources": [{"path": str(cal)}], "num_samples": 64, "max_seq_len": 256},
+            "artifacts": [{"name": "awq", "method": "awq"}, {"name": "gptq", "method": "gptq"}, {"name": "fp8", "method": "fp8"}],
+            "benchmark": {"engine": {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28}}}
+    for k, v in over.items():
+        data[k] = v
+    return Recipe.model_validate(data)
+
+
+@pytest.mark.parametrize("config", [LLAMA, QWEN2], ids=["llama", "qwen2"])
+def test_parameter_count_matches_transformers(tmp_path, config):
+    """From config.json alone within 1% (attention biases are left out), and exact from the safetensors headers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = model_dir(tmp_path, config)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))
+    n = model.num_parameters()
+    from_config = preflight.model_shape(d)
+    assert from_config["params_from"] == "config"
+    assert abs(from_config["params"] - n) / n < 0.01, (from_config["params"], n)
+    model.save_pretrained(tmp_path / "saved")
+    from_weights = preflight.model_shape(tmp_path / "saved")
+    assert from_weights["params_from"] == "safetensors" and from_weights["params"] == n
+
+
+def test_method_overheads_scale_with_what_they_depend_on(tmp_path):
+    m = model_dir(tmp_path, LLAMA)
+    r = recipe(tmp_path, m)
+    est = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None)
+    t = {k: v["terms"] for k, v in est.items()}
+    h, i = LLAMA["hidden_size"], LLAMA["intermediate_size"]
+    assert t["quantize:gptq"]["GPTQ Hessians"] == (5 * h * h + (8 * 32) ** 2 + i * i) * 4  # in x in fp32 per Linear of one layer
+    assert "GPTQ Hessians" not in t["quantize:awq"] and "AWQ activation cache" in t["quantize:awq"]
+    assert "layer activations (2*N*S*h*b)" not in t["quantize:fp8"]  # FP8_DYNAMIC needs no calibration
+    assert t["benchmark:baseline"]["KV cache"] == 1 << 28
+    # twice the samples: twice the activations, the same Hessians
+    r2 = recipe(tmp_path, m, calibration={"sources": [{"path": str(tmp_path / "cal.jsonl")}], "num_samples": 128, "max_seq_len": 256})
+    t2 = {k: v["terms"] for k, v in preflight.estimate(r2, build_steps(r2, str(m)), str(m), gpu=None).items()}
+    assert t2["quantize:awq"]["AWQ activation cache"] == 2 * t["quantize:awq"]["AWQ activation cache"]
+    assert t2["quantize:gptq"]["GPTQ Hessians"] == t["quantize:gptq"]["GPTQ Hessians"]
+    # every layer's Hessians at once without sequential onloading
+    r3 = recipe(tmp_path, m, artifacts=[{"name": "gptq", "method": "gptq", "pipeline": "basic"}])
+    t3 = preflight.estimate(r3, build_steps(r3, str(m)), str(m), gpu=None)["quantize:gptq"]["terms"]
+    assert t3["GPTQ Hessians"] == LLAMA["num_hidden_layers"] * t["quantize:gptq"]["GPTQ Hessians"]
+    # a 4-bit artifact is smaller on disk than an 8-bit one, which is smaller than the baseline
+    baseline = preflight.artifact_bytes(None, preflight.model_shape(m), 2)
+    assert est["package:gptq"]["disk_output_bytes"] < est["package:fp8"]["disk_output_bytes"] < baseline
+
+
+def test_gpu_benchmark_reserves_its_share_and_needs_room_for_one_sequence(tmp_path):
+    m = model_dir(tmp_path, LLAMA)
+    gpu = {"total_bytes": 80 * GIB, "free_bytes": 79 * GIB}
+    r = recipe(tmp_path, m, benchmark={"engine": {"max_model_len": 512, "gpu_memory_utilization": 0.5}})
+    est = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=gpu)
+    assert est["benchmark:baseline"]["gpu_bytes"] == 40 * GIB
+    have = {"ram_bytes": 64 * GIB, "gpu": {"total_bytes": 80 * GIB, "free_bytes": 30 * GIB}, "disk": {}}
+    bad = preflight.problems(r, est, have, set(est))
+    assert any(p.startswith("benchmark:baseline needs about 40.00 GiB of GPU memory") and "30.00 GiB is free" in p and "gpu_memory_utilization" in p for p in bad), bad
+    assert preflight.problems(r, est, {**have, "gpu": gpu}, set(est)) == []
+    # a context too long for the reservation: refused, naming max_model_len
+    huge = recipe(tmp_path, m, benchmark={"engine": {"max_model_len": 10**8, "gpu_memory_utilization": 0.5}})
+    est = preflight.estimate(huge, build_steps(huge, str(m)), str(m), gpu=gpu)
+    assert any("max_model_len" in p for p in preflight.problems(huge, est, {**have, "gpu": gpu}, set(est)))
+
+
+def test_problems_name_stage_estimate_available_and_fix(tmp_path):
+    m = model_dir(tmp_path, LLAMA)
+    r = recipe(tmp_path, m)
+    est = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None)
+    need = est["quantize:awq"]["ram_bytes"]
+    have = {"ram_bytes": need - 1, "gpu": None, "disk": {}}
+    bad = preflight.problems(r, est, have, {"quantize:awq"})
+    assert len(bad) == 1 and bad[0].startswith(f"quantize:awq needs about {need / GIB:.2f} GiB of memory")
+    assert f"but {(need - 1) / GIB:.2f} GiB is available" in bad[0] and "calibration.num_samples, now 64" in bad[0]
+    assert preflight.problems(r, est, have, set()) == []  # only stages that will run are checked (cache hits are not)
+    disk = {"path": str(tmp_path), "free_bytes": 1, "dev": 1}
+    bad = preflight.problems(r, est, {"ram_bytes": None, "gpu": None, "disk": {"cache": disk, "output": {**disk, "dev": 2}}}, set(est))
+    assert any(str(tmp_path) in p and "cache_dir" in p for p in bad) and any("output_dir" in p for p in bad)
+
+
+def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A ~10T-parameter model: no machine has the memory; exit 2, the stage named, nothing written."""
+    big = {**LLAMA, "hidden_size": 32768, "num_hidden_layers": 640, "num_attention_heads": 256, "head_dim": 128, "num_key_value_heads": 8,
+           "intermediate_size": 131072, "vocab_size": 256000}
+    m = model_dir(tmp_path, big)
+    (m / "model.safetensors").write_bytes(b"\0" * 8)  # unreadable header: the count comes from the config
+    (tmp_path / "cal.jsonl").write_text('{"text": "hello"}\n')
+    r = {"name": "big", "output_dir": "out", "base": {"model": "model"}, "calibration": {"sources": [{"path": "cal.jsonl"}]},
+         "artifacts": [{"name": "gptq", "method": "gptq"}], "evaluation": {}, "benchmark": {"enabled": False}}
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r))
+    monkeypatch.setenv("QUANTPIPE_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(main, ["run", str(p)])
+    assert res.exit_code == 2, res.output
+    assert "pre-flight" in res.output and "quantize:gptq needs about" in res.output and "is available" in res.output and "to fit:" in res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    res = CliRunner().invoke(main, ["run", "--dry-run", str(p)])  # the plan shows it, and runs nothing
+    assert res.exit_code == 0 and "would refuse" in res.output and "quantize:gptq" in res.output
+
+
+def test_the_demo_fits_a_24_gib_machine(tiny):
+    """Every stage of recipes/demo.yaml on the tiny model, against half of 24 GiB free (a busy machine): no refusal."""
+    text = (REPO / "recipes" / "demo.yaml").read_text().replace("../.tiny", str(tiny.root))
+    r = parse(text, REPO / "recipes")
+    steps = build_steps(r, r.base.model)
+    est = preflight.estimate(r, steps, r.base.model, gpu=None, ram_available=12 * GIB)
+    assert set(est) == {s.id for s in steps}
+    disk = {"path": "/", "free_bytes": 12 * GIB, "dev": 1}
+    assert preflight.problems(r, est, {"ram_bytes": 12 * GIB, "gpu": None, "disk": {"cache": disk, "output": disk}}, set(est)) == []
