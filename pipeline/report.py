@@ -311,6 +311,9 @@ def provenance(record: dict) -> dict:
         "git_commit": _d(record.get("quantpipe")).get("git_commit"),
         "command": f"quantpipe run {recipe_path}",
         "cache_dir": record.get("cache_dir"),
+        # the recipe's safety switches: model-shipped code and pickle weights (off unless the recipe turns them on)
+        "trust_remote_code": bool(_d(_d(record.get("recipe")).get("base")).get("trust_remote_code")),
+        "allow_pickle": bool(_d(_d(record.get("recipe")).get("base")).get("allow_pickle")),
     }
 
 
