@@ -436,6 +436,9 @@ class Runner:
         """Copy a package out of the cache and swap it in atomically: packages/<artifact> is a link."""
         pk = self.out_dir / "packages"
         store = pk / ".store" / f"{artifact}-{key[:16]}"
+        for d in (pk, pk / ".store"):
+            if d.is_symlink():  # planted: publishing through it would write outside the output directory
+                raise RunError(f"{d} is a symbolic link; packages are published only inside {self.out_dir}: remove the link and run again")
         if not store.exists():
             tmp = pk / ".store" / f".{artifact}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
