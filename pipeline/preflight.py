@@ -74,6 +74,7 @@ def model_shape(model_dir: str | Path) -> dict | None:
 
 
 def _safetensors_params(d: Path) -> int | None:
+    """Elements in every *.safetensors file's tensors, read from the headers; None if any header is unreadable."""
     total = 0
     for f in sorted(d.glob("*.safetensors")):
         try:
@@ -82,14 +83,14 @@ def _safetensors_params(d: Path) -> int | None:
                 if n > 100 * 2**20:
                     return None
                 header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+            for k, v in header.items():
+                if k != "__metadata__":
+                    size = 1
+                    for s in v["shape"]:
+                        size *= int(s)
+                    total += size
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, struct.error):
             return None
-        for k, v in header.items():
-            if k != "__metadata__" and isinstance(v, dict):
-                size = 1
-                for s in v.get("shape", []):
-                    size *= int(s)
-                total += size
     return total or None
 
 
