@@ -78,7 +78,11 @@ def adapter_mismatch(adapter: Path, model: Path) -> str | None:
         return None
     o = ours.get("text_config") if isinstance(ours.get("text_config"), dict) else ours
     theirs_dir = conf.get("base_model_name_or_path")
-    if isinstance(theirs_dir, str) and theirs_dir and (Path(theirs_dir) / "config.json").is_file() and Path(theirs_dir).resolve() != model.resolve():
+    try:
+        local = isinstance(theirs_dir, str) and theirs_dir and (Path(theirs_dir) / "config.json").is_file() and Path(theirs_dir).resolve() != model.resolve()
+    except (OSError, RuntimeError):  # a name too long, a symlink loop: not a local model to compare with
+        local = False
+    if local:
         theirs = _config(Path(theirs_dir)) or {}
         t = theirs.get("text_config") if isinstance(theirs.get("text_config"), dict) else theirs
         diff = [f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}"] if theirs.get("model_type") != ours.get("model_type") else []

@@ -86,6 +86,7 @@ def world(tmp_path_factory) -> Path:
     _adapter(w / "adapter-other-arch", str(other), _lora(0, "q_proj", 512, 512))
     _adapter(w / "adapter-wrong-shape", "someone/else", _lora(0, "k_proj", 256, 128))  # our k_proj has 2*32 outputs
     _adapter(w / "adapter-extra-layer", "someone/else", _lora(11, "q_proj", 256, 256))
+    _adapter(w / "adapter-odd-base", "b" * 5000, _lora(0, "v_proj", 256, 32))  # base_model_name_or_path no file system takes
     pickle_adapter = w / "adapter-pickle"
     pickle_adapter.mkdir()
     (pickle_adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
@@ -320,7 +321,7 @@ def test_mutated_recipes_are_refused(world, muts, command):
 PATH_CASES = {
     "base.model": ["missing", "dangling", "loop-a", "cal.jsonl", "adapter", "pickle-model", "empty-model"],
     "adapters.0.path": ["missing", "dangling", "loop-a", "cal.jsonl", "model", "adapter-pickle", "adapter-bad-config",
-                        "adapter-other-arch", "adapter-wrong-shape", "adapter-extra-layer"],
+                        "adapter-other-arch", "adapter-wrong-shape", "adapter-extra-layer", "adapter-odd-base"],
     "calibration.sources.0.path": ["missing.jsonl", "dangling", "loop-a", "a-dir.jsonl", "cal.txt", "model"],
     "evaluation.validation.path": ["missing.jsonl", "dangling", "loop-a", "a-dir.jsonl", "tasks"],
     "evaluation.lm_eval.include_path": ["missing", "dangling", "cal.jsonl"],
