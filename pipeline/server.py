@@ -147,10 +147,11 @@ class Server:
         return f"http://{HOST}:{self.port}"
 
     def command(self) -> list[str]:
+        # --host and --port last: argparse keeps the last value, so no engine argument (an abbreviation like
+        # `--hos 0.0.0.0`, a --config file holding `host:`) can make the server listen beyond this machine.
         return [
             self.python, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
-            "--host", HOST, "--port", str(self.port), "--served-model-name", self.served_model_name,
-            *self.args,
+            "--served-model-name", self.served_model_name, *self.args, "--host", HOST, "--port", str(self.port),
         ]
 
     def start(self) -> "Server":
