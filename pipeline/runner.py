@@ -223,8 +223,9 @@ class Runner:
         return rows
 
     def _preflight(self, force: set[str], kinds, artifacts) -> dict:
-        """Estimate each stage's memory and disk and refuse, before anything is written, a run that will not fit."""
-        base_dir, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)
+        """Estimate each stage's memory and disk and refuse, before anything is written, a run that will not fit.
+        A hub model is fetched here, so that its config is known and a failed download writes nothing either."""
+        base_dir, steps = self.plan(dry_run=False, kinds=kinds, artifacts=artifacts)
         todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
         try:
             est, have = preflight.check(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)

@@ -558,3 +558,13 @@ def test_bad_input_in_a_subprocess(world):
             assert n in r.stderr, r.stderr
         for sub in ("out", "cache", "env-cache"):
             assert not (case_dir / sub).exists()
+
+
+def test_unfetchable_hub_model_is_refused_before_anything_is_written(world):
+    """A hub id with no network (the tests run offline): exit 2 naming base.model, no run directory, no cache."""
+    d = fresh(world)
+    data = good(world, d)
+    data["base"]["model"] = "no-such-org/no-such-model"
+    data["adapters"] = []
+    res = invoke(["run", str(write_recipe(d, data))], d)
+    assert_refused(res, d, ["base.model", "no-such-org/no-such-model"])
