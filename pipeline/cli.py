@@ -102,7 +102,8 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait):
     if kinds and not kinds <= set(KINDS):
         raise BadInput(f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}")
     forced = _csv(force) or set()
-    bad = {f for f in forced if f != "all" and f.split(":")[0] not in KINDS}
+    targets = {a.name for a in r.artifacts} | {"baseline"}
+    bad = {f for f in forced if f != "all" and (f.split(":")[0] not in KINDS or (":" in f and f.split(":", 1)[1] not in targets))}
     if bad:
         raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
     console = _console()

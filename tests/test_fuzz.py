@@ -516,8 +516,9 @@ def _bad_argument(flag: str, value: str) -> bool:
         return False  # an empty list means "no filter"
     if flag == "--stages":
         return not names <= kinds
-    if flag == "--force":
-        return any(n != "all" and n.split(":")[0] not in kinds for n in names)
+    if flag == "--force":  # a kind, kind:artifact (or kind:baseline), or all
+        return any(n != "all" and (n.split(":")[0] not in kinds or (":" in n and n.split(":", 1)[1] not in {"awq", "gptq", "fp8", "int8", "baseline"}))
+                   for n in names)
     return not names <= {"awq", "gptq", "fp8", "int8"}
 
 
