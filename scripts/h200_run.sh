@@ -19,7 +19,10 @@ case $phase in
 install)
   bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
   echo "install: $(( $(date +%s) - t0 )) s"
-  [ -d "$files/tiny" ] && { mkdir -p /tmp/qp/tiny && cp -r "$files/tiny/." /tmp/qp/tiny/; }
+  if [ -d "$files/tiny" ]; then  # the lm-eval task YAMLs name their data files by the absolute path they were built at
+    mkdir -p /tmp/qp/tiny && cp -r "$files/tiny/." /tmp/qp/tiny/
+    sed -i -E 's#/[^ "]*/tasks/#/tmp/qp/tiny/tasks/#g' /tmp/qp/tiny/tasks/*.yaml
+  fi
   source /tmp/qp/env.sh
   [ -d /tmp/qp/models/llama3-8b/base ] || python3 scripts/make_shaped_model.py --shape llama3-8b --tokenizer "$files/tok" --out /tmp/qp/models/llama3-8b || exit 1
   echo "model: $(( $(date +%s) - t0 )) s"
