@@ -166,6 +166,8 @@ def summarize(record: dict) -> dict:
             "gate": "—" if is_base else art.get("gate", "NOT RUN"), "gate_failures": _l(art.get("gate_failures")),
             "latency_s_batch1": lat,
             "throughput_tok_s": _num(offline.get("throughput_tok_s")) if _num(offline.get("throughput_tok_s")) is not None else (max(out_tps) if out_tps else None),
+            # where the two speed figures come from: vLLM's offline benchmarks, or the served sweep
+            "speed_source": "offline" if _num(offline.get("latency_s_batch1")) is not None else ("served" if serve else None),
             "variant": variant,
             "serve": {str(c): {"ttft_p99_ms": _pct(r.get("ttft_ms"), "p99"), "tpot_p99_ms": _pct(r.get("tpot_ms"), "p99"),
                                 "output_throughput": _num(r.get("output_throughput")), "request_throughput": _num(r.get("request_throughput")),
@@ -320,6 +322,13 @@ def provenance(record: dict) -> dict:
 # --- plots --------------------------------------------------------------------------------------
 
 
+SPEED_SOURCE = {  # plot footers: [served sweep only, offline benchmarks ran]
+    "latency_s_batch1": ["batch-1 latency: vllm bench serve, mean end-to-end latency at concurrency 1",
+                         "offline vllm bench latency (batch 1)"],
+    "throughput_tok_s": ["throughput: vllm bench serve, output tokens/s at the best concurrency", "offline vllm bench throughput"],
+}
+
+
 def _footer(prov: dict, extra: str = "") -> str:
     bits = [prov["hardware_text"], f"vLLM {prov['vllm']}" if prov.get("vllm") else None,
             f"quantpipe {(prov.get('git_commit') or '?')[:12]}", prov["command"], extra or None]
@@ -373,7 +382,7 @@ def make_plots(summary: dict, plot_dir: Path) -> list[dict]:
         save(fig, name, f"Accuracy recovery vs {label.split(' (')[0]}",
              {"text": f"Each point is an artifact (square: the unquantized baseline; green: passes every gate; red cross: fails a gate); "
                       f"outlined points are on the Pareto front of recovery against {label.split(' (')[0]}.",
-              "footer": "offline vllm bench latency/throughput" if speed == "latency_s_batch1" else "offline vllm bench throughput"})
+              "footer": SPEED_SOURCE[speed][any(r.get("speed_source") == "offline" for r in pts)]})
 
     served = [r for r in rows if r["serve"]]
     if served:
