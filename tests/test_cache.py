@@ -46,6 +46,27 @@ def test_corruption_is_detected(tmp_path, damage, needle):
     assert any(needle in p for p in problems), problems
 
 
+def test_unchanged_files_are_not_rehashed_on_use_unless_asked(tmp_path, monkeypatch):
+    """On use, a file whose size and mtime are as committed is trusted (a 16 GB model is not re-read per
+    run); a rewrite of the same size is caught by its mtime; QUANTPIPE_VERIFY=full re-hashes even a
+    tampered file whose mtime was put back."""
+    import quantpipe.cache as qc
+
+    cache = StageCache(tmp_path)
+    marker = cache.commit(build(cache), "quantize:a", "k1", {})
+    real, calls = qc.sha256_file, []
+    monkeypatch.setattr(qc, "sha256_file", lambda p, *a: calls.append(p) or real(p, *a))
+    assert cache.verify_entry("quantize:a", "k1", marker) == [] and calls == []
+    p = cache.entry("quantize:a", "k1") / "out" / "model.safetensors"
+    st = p.stat()
+    p.write_bytes(b"weightz")
+    assert any("sha256 mismatch" in x for x in cache.verify_entry("quantize:a", "k1", marker))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # tampered, mtime restored
+    assert cache.verify_entry("quantize:a", "k1", marker) == []
+    monkeypatch.setenv("QUANTPIPE_VERIFY", "full")
+    assert any("sha256 mismatch" in x for x in cache.verify_entry("quantize:a", "k1", marker))
+
+
 def test_a_stage_killed_midway_leaves_no_entry(tmp_path):
     """A process that dies between begin() and commit() leaves only a temp folder, swept later."""
     code = textwrap.dedent(f"""
