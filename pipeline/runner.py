@@ -107,6 +107,15 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
                 refs |= {"benchmark": f"benchmark:{a.name}", "baseline_benchmark": "benchmark:baseline"}
             summary = r.model_dump(include={"name", "base", "adapters", "calibration", "evaluation", "benchmark", "package"})
             steps.append(Step(f"package:{a.name}", "package", a.name, q, refs=refs, values={"artifact": a.name}, cfg={"recipe": summary, "artifact": acfg}))
+    if evaluate:
+        from .stages.evaluate import lm_eval_backend
+
+        backend = lm_eval_backend(r)  # auto: vllm where a CUDA GPU is present, else hf
+        for s in steps:
+            if s.kind == "evaluate":
+                s.values["backend"] = backend
+                if backend == "vllm":
+                    s.env = "serve"  # lm-eval's vllm model needs vLLM: the baseline and every artifact alike
     return steps
 
 

@@ -16,10 +16,20 @@ lm_eval_samples/<task>.jsonl (written by lm-eval's own EvaluationTracker, as `lm
 --log_samples` writes them), validation_outputs.jsonl (each row's output and score), per_example.json
 (per-example scores and example ids, in doc order, that the artifacts' stages pair with).
 
-The lm-eval backend is `hf` (auto means hf for now: transformers reads every artifact, decompressing
-compressed-tensors; `vllm` is refused). BOS is passed explicitly as the tokenizer's own rule, and an
-artifact whose tokenizer, BOS rule, chat template or evaluation settings differ from the baseline's is
-refused rather than compared. Fidelity needs `evaluation.validation` (its prompts and references).
+Backends (`evaluation.lm_eval.backend`; `auto` is vllm where a CUDA GPU is present, else hf):
+- `hf`: lm-eval's hf model; validation and fidelity through transformers, which reads every artifact
+  (it decompresses compressed-tensors); the artifact's stage loads the baseline model for the full KL.
+- `vllm`: the stage runs in the serve environment. lm-eval's own vllm model (its figures are those of
+  `lm_eval --model vllm` with the same arguments, written to evaluation.json as `lm_eval_command`);
+  its engine then generates the validation outputs (greedy) and gives the prompt logprobs of the
+  references. The baseline keeps its logprobs (`fidelity_reference.json`) and an artifact's stage
+  compares against them, one engine per stage. vLLM returns the top 20 logprobs per position, so the
+  KL is over those plus one bucket for the rest: a lower bound of the full KL (`kl_topk`); top-1
+  agreement and perplexity are exact. A scheme vLLM cannot run on this machine is refused before
+  the engine starts (use hf for it).
+BOS is passed explicitly as the tokenizer's own rule, and an artifact whose tokenizer, BOS rule, chat
+template, backend or evaluation settings differ from the baseline's is refused rather than compared.
+Fidelity needs `evaluation.validation` (its prompts and references).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +55,8 @@ log = logging.getLogger(__name__)
 METRICS = ("exact_match", "contains", "regex", "json_valid")
 BOOTSTRAP_SEED = 0
 PROBE = "Hello world! 12 + 30 = 42.\nThe end."  # tokenized by baseline and artifact: must give the same ids
+VLLM_LOGPROBS = 20  # prompt logprobs per position for fidelity under vllm: vLLM's default max_logprobs
+VLLM_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")  # recorded with the engine
 
 
 # --- gates (light: the runner imports this in the CLI's process) --------------------------------
@@ -323,17 +336,34 @@ def compare(baseline: list[float], artifact: list[float], samples: int, higher_i
 # --- the stage --------------------------------------------------------------------------------
 
 
+def lm_eval_backend(recipe: Recipe) -> str:
+    """The backend the stage uses: the recipe's; for `auto`, vllm where a CUDA GPU is present, else hf (light: the runner calls it)."""
+    le = recipe.evaluation.lm_eval
+    if le is None or le.backend == "hf":
+        return "hf"
+    if le.backend == "vllm":
+        return "vllm"
+    from ..envs import hardware
+
+    return "vllm" if hardware()["gpus"] else "hf"
+
+
 def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method: str = "none",
-        baseline_model: Path | None = None, baseline_eval: Path | None = None) -> dict:
-    """Evaluate the model in `src` (lm-eval, validation set, fidelity vs `baseline_model`) into `out`."""
+        baseline_model: Path | None = None, baseline_eval: Path | None = None, backend: str | None = None) -> dict:
+    """Evaluate the model in `src` (lm-eval, validation set, fidelity vs the baseline) into `out`."""
     ev = recipe.evaluation
     if ev.lm_eval is None and ev.validation is None:
         raise StageError("evaluation has neither `lm_eval` nor `validation`; add one of them or drop the evaluate stage")
-    if ev.lm_eval is not None and ev.lm_eval.backend == "vllm":
-        raise StageError(
-            "evaluation.lm_eval.backend: vllm is not supported by the evaluate stage yet (it runs in the quantize "
-            "environment, which has no vLLM); use backend: auto or hf"
-        )
+    backend = backend or lm_eval_backend(recipe)
+    if backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("lm_eval") is None:
+            raise StageError(
+                "evaluation.lm_eval.backend: vllm needs vLLM and lm-eval in one environment, and this one lacks "
+                f"{'vLLM' if importlib.util.find_spec('vllm') is None else 'lm-eval'} ({sys.executable}); quantpipe runs "
+                "the stage in the serve environment (scripts/setup_envs.sh serve), or use backend: hf"
+            )
     src, out = Path(src), Path(out)
     is_artifact = artifact != "baseline"
     if is_artifact and (baseline_model is None or baseline_eval is None):
@@ -345,7 +375,7 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
     torch.manual_seed(ev.lm_eval.seed if ev.lm_eval else 0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = _tokenizer(src, recipe)
-    settings = _settings(recipe, tok, device)
+    settings = _settings(recipe, tok, device, backend)
     timings = {}
 
     base = None
@@ -355,30 +385,34 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
     per_example: dict[str, list[float]] = {}
     ids: dict[str, list[str]] = {}
     higher: dict[str, bool] = {}
-    lm_metrics = None
-    if ev.lm_eval:
-        t0 = time.perf_counter()
-        lm_metrics = _lm_eval(recipe, src, out, settings, per_example, ids, higher)
-        timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
-        _free()  # lm-eval's model copy, before the next one loads
-        log.info("%s: lm-eval %s in %.1fs", artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
-
-    validation = fidelity = None
-    if rows is not None:
-        model = _load_model(src, recipe, device)
-        t0 = time.perf_counter()
-        validation = _validate(model, tok, rows, ev.validation, out, per_example, ids, settings)
-        timings["validation_s"] = round(time.perf_counter() - t0, 2)
-        if is_artifact:
+    lm_metrics = validation = fidelity = None
+    extra: dict[str, Any] = {"versions": _versions(backend)}
+    if backend == "vllm":  # one engine for lm-eval, the validation set and the fidelity logprobs
+        lm_metrics, validation, fidelity = _run_vllm(recipe, src, out, artifact, method, tok, rows, settings, baseline_eval,
+                                                     per_example, ids, higher, timings, extra)
+    else:
+        if ev.lm_eval:
             t0 = time.perf_counter()
-            ref_model = _load_model(Path(baseline_model), recipe, device)
-            fidelity = _fidelity(ref_model, model, tok, rows, settings)
-            timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
-            del ref_model
-            log.info("%s: fidelity vs baseline %s", artifact, json.dumps(fidelity))
-        del model
-        _free()
-        log.info("%s: validation %s", artifact, json.dumps(validation))
+            lm_metrics = _lm_eval(recipe, src, out, settings, per_example, ids, higher)
+            timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
+            _free()  # lm-eval's model copy, before the next one loads
+            log.info("%s: lm-eval %s in %.1fs", artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
+        if rows is not None:
+            model = _load_model(src, recipe, device)
+            t0 = time.perf_counter()
+            texts = _generate_hf(model, tok, rows, ev.validation, settings)
+            validation = _score_validation(rows, texts, ev.validation, out, per_example, ids)
+            timings["validation_s"] = round(time.perf_counter() - t0, 2)
+            if is_artifact:
+                t0 = time.perf_counter()
+                ref_model = _load_model(Path(baseline_model), recipe, device)
+                fidelity = _fidelity(ref_model, model, tok, rows, settings)
+                timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
+                del ref_model
+                log.info("%s: fidelity vs baseline %s", artifact, json.dumps(fidelity))
+            del model
+            _free()
+            log.info("%s: validation %s", artifact, json.dumps(validation))
 
     comparison = None
     if is_artifact:
@@ -387,7 +421,7 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
     (out / "per_example.json").write_text(json.dumps({"scores": per_example, "ids": ids, "higher_is_better": higher}))
     metrics = {
         "artifact": artifact, "method": method, "settings": settings, "lm_eval": lm_metrics,
-        "validation": validation, "fidelity": fidelity, "comparison": comparison, "timings": timings,
+        "validation": validation, "fidelity": fidelity, "comparison": comparison, "timings": timings, **extra,
     }
     (out / "evaluation.json").write_text(json.dumps(metrics, indent=2))
     return metrics
@@ -412,7 +446,7 @@ def _tokenizer(src: Path, recipe: Recipe):
         raise StageError(f"{src}: no usable tokenizer ({str(e)[:200]}); the model directory must hold its tokenizer files") from None
 
 
-def _settings(recipe: Recipe, tok, device: str) -> dict:
+def _settings(recipe: Recipe, tok, device: str, backend: str = "hf") -> dict:
     """Everything that must be identical between the baseline and an artifact, recorded."""
     ev = recipe.evaluation
     le = ev.lm_eval
@@ -426,8 +460,6 @@ def _settings(recipe: Recipe, tok, device: str) -> dict:
             "evaluation.add_bos is true but this tokenizer does not add a BOS token itself (lm-eval cannot force one); "
             "remove add_bos, or set it to false"
         )
-    # auto -> hf everywhere for now: transformers reads every artifact (it decompresses compressed-tensors)
-    backend = "hf" if le is not None else None
     chat = getattr(tok, "chat_template", None)
     s = {
         "backend": backend, "backend_requested": le.backend if le else None, "device": device,
@@ -448,6 +480,8 @@ def _settings(recipe: Recipe, tok, device: str) -> dict:
         v = ev.validation
         s["validation"] = {"metric": v.metric, "max_new_tokens": v.max_new_tokens, "stop": list(v.stop), "decoding": "greedy", "batch_size": le.batch_size if le else 8, "padding": "left", "json_schema": v.json_schema,
                            "fidelity_reference": "prompt + (' ' if neither side has whitespace at the join) + reference; loss on reference tokens"}
+        if backend == "vllm":  # one generate call, vLLM schedules the batches; KL from prompt logprobs (see _fidelity_topk)
+            s["validation"].update(batch_size=None, padding=None, fidelity_kl=f"baseline top-{VLLM_LOGPROBS} tokens + one bucket for the rest")
     return s
 
 
@@ -480,8 +514,12 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[tuple[str, Any, Any
     return out
 
 
-def _lm_eval(recipe: Recipe, src: Path, out: Path, settings: dict, per_example: dict, ids: dict, higher: dict) -> dict:
-    """Run lm-eval's simple_evaluate as its CLI does, and keep the files its CLI would write."""
+def _lm_eval(recipe: Recipe, src: Path, out: Path, settings: dict, per_example: dict, ids: dict, higher: dict,
+             lm=None, model_args: dict | None = None) -> dict:
+    """Run lm-eval's simple_evaluate as its CLI does, and keep the files its CLI would write.
+
+    `lm`: lm-eval's vllm model, built by the caller from `model_args` as simple_evaluate would build it
+    (so the caller can reuse its engine); None: the hf model, built here."""
     le = recipe.evaluation.lm_eval
     import shutil
 
@@ -489,9 +527,10 @@ def _lm_eval(recipe: Recipe, src: Path, out: Path, settings: dict, per_example: 
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    model_args = {"pretrained": str(src), "dtype": settings["dtype"], "add_bos_token": settings["add_bos"]}
-    if recipe.base.trust_remote_code:
-        model_args["trust_remote_code"] = True
+    if model_args is None:
+        model_args = {"pretrained": str(src), "dtype": settings["dtype"], "add_bos_token": settings["add_bos"]}
+        if recipe.base.trust_remote_code:
+            model_args["trust_remote_code"] = True
     tm = TaskManager(include_path=le.include_path, metadata=dict(model_args))
     unknown = [t for t in le.tasks if t not in tm.all_tasks]
     if unknown:
@@ -506,8 +545,8 @@ def _lm_eval(recipe: Recipe, src: Path, out: Path, settings: dict, per_example: 
     tracker_dir = out / ".lm_eval"
     tracker = EvaluationTracker(output_path=str(tracker_dir))
     results = simple_evaluate(
-        model="hf", model_args=model_args, tasks=list(le.tasks), num_fewshot=le.num_fewshot, batch_size=le.batch_size,
-        device=settings["device"], limit=le.limit, log_samples=True, evaluation_tracker=tracker,
+        model="hf" if lm is None else lm, model_args=model_args, tasks=list(le.tasks), num_fewshot=le.num_fewshot,
+        batch_size=le.batch_size, device=settings["device"], limit=le.limit, log_samples=True, evaluation_tracker=tracker,
         apply_chat_template=le.apply_chat_template, fewshot_as_multiturn=settings["fewshot_as_multiturn"], task_manager=tm,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
     )
@@ -581,8 +620,8 @@ def _row_id(row: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _validate(model, tok, rows: list[dict], cfg, out: Path, per_example: dict, ids: dict, settings: dict) -> dict:
-    """Greedy generation (left-padded batches, longest prompts first), each output scored by its row's metric."""
+def _generate_hf(model, tok, rows: list[dict], cfg, settings: dict) -> list[str]:
+    """Greedy generation with transformers (left-padded batches, longest prompts first); outputs cut at the stop strings."""
     import torch
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -601,10 +640,19 @@ def _validate(model, tok, rows: list[dict], cfg, out: Path, per_example: dict, i
                 temperature=None, top_p=None, top_k=None, pad_token_id=pad,
             )
             for j, i in enumerate(batch):
-                text = tok.decode(gen[j, width:], skip_special_tokens=True)
-                for stop in cfg.stop:
-                    text = text.split(stop, 1)[0]
-                texts[i] = text
+                texts[i] = _output_text(tok, gen[j, width:], cfg.stop)
+    return texts
+
+
+def _output_text(tok, token_ids, stop: list[str]) -> str:
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    for s in stop:
+        text = text.split(s, 1)[0]
+    return text
+
+
+def _score_validation(rows: list[dict], texts: list[str], cfg, out: Path, per_example: dict, ids: dict) -> dict:
+    """Each output scored by its row's metric; the outputs written to validation_outputs.jsonl."""
     scores, by_metric = [], {}
     with open(out / "validation_outputs.jsonl", "w") as f:
         for row, text in zip(rows, texts):
@@ -647,7 +695,184 @@ def _fidelity(ref_model, model, tok, rows: list[dict], settings: dict) -> dict |
             n += len(r)
     if n == 0:
         return None
-    return {"kl_mean": kl_sum / n, "top1_agreement": agree / n, "ppl": math.exp(nll_a / n), "ppl_baseline": math.exp(nll_b / n), "n_tokens": n}
+    return {"kl_mean": kl_sum / n, "top1_agreement": agree / n, "ppl": math.exp(nll_a / n), "ppl_baseline": math.exp(nll_b / n), "n_tokens": n,
+            "kl_support": "full vocabulary"}
+
+
+# --- the vllm backend: one engine for lm-eval, the validation set and the fidelity logprobs ------
+
+
+def _run_vllm(recipe: Recipe, src: Path, out: Path, artifact: str, method: str, tok, rows: list[dict] | None, settings: dict,
+              baseline_eval: Path | None, per_example: dict, ids: dict, higher: dict, timings: dict, extra: dict):
+    """lm-eval with its vllm model, then greedy validation and prompt logprobs through that model's engine."""
+    ev = recipe.evaluation
+    t0 = time.perf_counter()
+    lm, model_args, engine = _vllm_model(recipe, src, artifact, method, settings)
+    timings["engine_start_s"] = round(time.perf_counter() - t0, 2)
+    extra["engine"] = engine
+    extra["lm_eval_command"] = _lm_eval_command(recipe, model_args)
+    t0 = time.perf_counter()
+    lm_metrics = _lm_eval(recipe, src, out, settings, per_example, ids, higher, lm=lm, model_args=model_args)
+    timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
+    log.info("%s: lm-eval %s in %.1fs", artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
+    validation = fidelity = None
+    if rows is not None:
+        from vllm import SamplingParams, TokensPrompt
+
+        t0 = time.perf_counter()
+        prompts = [TokensPrompt(prompt_token_ids=_encode_prompt(tok, row, settings["add_bos"])) for row in rows]
+        outs = lm.model.generate(prompts, SamplingParams(temperature=0.0, max_tokens=ev.validation.max_new_tokens), use_tqdm=False)
+        texts = [_output_text(tok, o.outputs[0].token_ids, ev.validation.stop) for o in outs]
+        validation = _score_validation(rows, texts, ev.validation, out, per_example, ids)
+        timings["validation_s"] = round(time.perf_counter() - t0, 2)
+        log.info("%s: validation %s", artifact, json.dumps(validation))
+        t0 = time.perf_counter()
+        mine = _reference_logprobs(lm.model, tok, rows, settings)
+        if baseline_eval is None:  # the baseline keeps its logprobs for the artifacts' stages
+            (out / "fidelity_reference.json").write_text(json.dumps({"logprobs": VLLM_LOGPROBS, "rows": mine}))
+        else:
+            try:
+                ref = json.loads((Path(baseline_eval) / "fidelity_reference.json").read_text())
+            except (OSError, ValueError) as e:
+                raise StageError(f"baseline_eval {baseline_eval}: no readable fidelity_reference.json ({e}); re-run evaluate:baseline with backend vllm (--force evaluate)") from None
+            fidelity = _fidelity_topk(ref["rows"], mine)
+            log.info("%s: fidelity vs baseline %s", artifact, json.dumps(fidelity))
+        timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
+    return lm_metrics, validation, fidelity
+
+
+def _vllm_model(recipe: Recipe, src: Path, artifact: str, method: str, settings: dict):
+    """lm-eval's vllm model, built as `lm_eval --model vllm --model_args ...` builds it (this starts the engine).
+
+    Refused before any engine starts when vLLM has no kernel for the checkpoint's scheme on this machine."""
+    # What vLLM can run here and the CPU KV-cache size, as the benchmark stage decides them. (Not in this
+    # stage's cache key: they decide a refusal, never cached, and a KV-cache size, which moves no figure.)
+    from .benchmark import DEFAULT_CPU_KV_BYTES, _model_config, kv_bytes_per_token, probe_platform, quant_scheme, unservable_reason
+
+    plat = probe_platform()
+    scheme = quant_scheme(src)
+    reason = unservable_reason(scheme, method, plat)
+    if reason:
+        raise StageError(
+            f"{artifact}: evaluation.lm_eval.backend vllm cannot evaluate it on this machine: {reason}. "
+            "Set evaluation.lm_eval.backend: hf (transformers reads every scheme), or evaluate on a machine whose vLLM serves it"
+        )
+    le = recipe.evaluation.lm_eval
+    model_args = {"pretrained": str(src), "dtype": settings["dtype"], "add_bos_token": settings["add_bos"], "seed": le.seed}
+    if recipe.base.trust_remote_code:
+        model_args["trust_remote_code"] = True
+    if plat["platform"] == "cpu":
+        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            # vLLM's CPU worker needs an explicit KV-cache size: room for one sequence of the model's full length
+            bpt = (kv_bytes_per_token(src, None) or 0) * (2 if settings["dtype"] == "float32" else 1)
+            need = bpt * (_model_config(src).get("max_position_embeddings") or 0)
+            model_args["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
+        # On the CPU the engine start is torch.compile's warm-up (35-110 s on 2 cores) and a separate engine
+        # process adds a hop to every request; eager and in-process, the tiny model's engine starts in ~5 s
+        # with the same lm-eval figures. On a GPU vLLM's defaults stay (CUDA graphs pay off there).
+        model_args["enforce_eager"] = True
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from lm_eval.models.vllm_causallms import VLLM
+
+    lm = VLLM.create_from_arg_obj(model_args, {"batch_size": le.batch_size, "device": settings["device"]})
+    env = {k: os.environ[k] for k in VLLM_ENV if k in os.environ}
+    engine = {"model_args": {k: v for k, v in model_args.items() if k != "pretrained"}, "env": env, "platform": plat, "scheme": scheme}
+    return lm, model_args, engine
+
+
+def _lm_eval_command(recipe: Recipe, model_args: dict) -> str:
+    """The `lm_eval` command line (with the vLLM environment variables set) that gives the same lm-eval figures."""
+    le = recipe.evaluation.lm_eval
+    cmd = [f"{k}={os.environ[k]}" for k in VLLM_ENV if k in os.environ]
+    cmd += ["lm_eval", "--model", "vllm", "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
+           "--tasks", ",".join(le.tasks), "--batch_size", str(le.batch_size), "--seed", str(le.seed)]
+    if le.num_fewshot is not None:
+        cmd += ["--num_fewshot", str(le.num_fewshot)]
+    if le.limit is not None:
+        cmd += ["--limit", str(le.limit)]
+    if le.include_path:
+        cmd += ["--include_path", le.include_path]
+    if le.apply_chat_template:
+        cmd += ["--apply_chat_template", "--fewshot_as_multiturn"]
+    return " ".join(cmd)
+
+
+def _reference_logprobs(llm, tok, rows: list[dict], settings: dict) -> list[list[dict] | None]:
+    """Per row (None without a reference), per reference token: its id and logprob, and the top logprobs of its position."""
+    from vllm import SamplingParams, TokensPrompt
+
+    todo = []
+    for i, row in enumerate(rows):
+        if not row.get("reference"):
+            continue
+        p = _encode_prompt(tok, row, settings["add_bos"])
+        r = tok(_continuation(row), add_special_tokens=False)["input_ids"]
+        if r:
+            todo.append((i, p, r))
+    result: list[list[dict] | None] = [None] * len(rows)
+    if not todo:
+        return result
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=VLLM_LOGPROBS, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p + r) for _, p, r in todo], params, use_tqdm=False)
+    for (i, p, r), o in zip(todo, outs):
+        positions = []
+        for j, target in enumerate(r):
+            d = o.prompt_logprobs[len(p) + j]  # the position that predicts reference token j
+            top = sorted(((int(t), float(lp.logprob)) for t, lp in d.items() if lp.rank is not None and lp.rank <= VLLM_LOGPROBS), key=lambda x: -x[1])
+            positions.append({"target": int(target), "target_logprob": float(d[target].logprob), "top": top})
+        result[i] = positions
+    return result
+
+
+def kl_topk(p: dict[int, float], q: dict[int, float]) -> float:
+    """KL(P || Q) of two next-token distributions known by the logprobs of some tokens each.
+
+    Tokens known on both sides count one by one, every other token goes into one `rest` bucket. Merging
+    tokens never raises KL (log-sum inequality), so this is a lower bound of the full-vocabulary KL, and
+    exact when the tokens known on both sides hold all the probability. The rest bucket of Q is floored
+    at 1e-6 (float32 logprobs sum to 1 within about that), which keeps the bound a lower bound."""
+    shared = p.keys() & q.keys()
+    kl = math.fsum(math.exp(p[t]) * (p[t] - q[t]) for t in shared)
+    p_rest = 1.0 - math.fsum(math.exp(p[t]) for t in shared)
+    q_rest = 1.0 - math.fsum(math.exp(q[t]) for t in shared)
+    if p_rest > 0 and p_rest != q_rest:
+        kl += p_rest * (math.log(p_rest) - math.log(max(q_rest, 1e-6)))
+    return max(kl, 0.0)
+
+
+def _fidelity_topk(base: list, mine: list) -> dict | None:
+    """KL(baseline || artifact) (over each position's top logprobs, see kl_topk), top-1 agreement and perplexity
+    of the reference tokens, from the vLLM prompt logprobs of both (top-1 and perplexity are exact)."""
+    if len(base) != len(mine) or any((b is None) != (a is None) or (b and [x["target"] for x in b] != [x["target"] for x in a]) for b, a in zip(base, mine)):
+        raise StageError("the baseline's fidelity logprobs are for other reference tokens than this artifact's; re-run evaluate:baseline (--force evaluate)")
+    kl_sum = 0.0
+    agree = n = 0
+    nll_a = nll_b = 0.0
+    for b_row, a_row in zip(base, mine):
+        for b, a in zip(b_row or [], a_row or []):
+            pb = {int(t): lp for t, lp in b["top"]} | {b["target"]: b["target_logprob"]}
+            pa = {int(t): lp for t, lp in a["top"]} | {a["target"]: a["target_logprob"]}
+            kl_sum += kl_topk(pb, pa)
+            agree += int(b["top"][0][0] == a["top"][0][0])
+            nll_b -= b["target_logprob"]
+            nll_a -= a["target_logprob"]
+            n += 1
+    if n == 0:
+        return None
+    return {"kl_mean": kl_sum / n, "top1_agreement": agree / n, "ppl": math.exp(nll_a / n), "ppl_baseline": math.exp(nll_b / n), "n_tokens": n,
+            "kl_support": f"top-{VLLM_LOGPROBS} logprobs per position + one bucket for the rest (a lower bound of the full KL)"}
+
+
+def _versions(backend: str) -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("lm_eval", "torch", "transformers", "compressed-tensors", *(("vllm",) if backend == "vllm" else ())):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def _continuation(row: dict) -> str:
