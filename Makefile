@@ -4,10 +4,14 @@
 PY := .venv/quantize/bin/python
 QP := .venv/quantize/bin/quantpipe
 
-.PHONY: setup tiny demo test test-fast clean
+.PHONY: setup setup-legacy tiny demo test test-fast clean
 
 setup:
 	scripts/setup_envs.sh
+
+# optional: the environments of `backend: autoawq` and `backend: gptqmodel` (README, legacy backends)
+setup-legacy:
+	scripts/setup_envs.sh legacy
 
 tiny: setup
 	$(PY) scripts/build_tiny.py

@@ -10,6 +10,10 @@
 #
 #   scripts/setup_envs.sh            # both
 #   scripts/setup_envs.sh quantize   # one
+#   scripts/setup_envs.sh legacy     # optional: the legacy quantizers' environments (autoawq, gptqmodel)
+#
+#   autoawq:   torch (CPU) + AutoAWQ 0.2.9 on transformers 4.51 (it cannot import under transformers 5)
+#   gptqmodel: the quantize environment's pins + GPTQModel 7.6 (which also reads both legacy formats back)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOME_DIR="${QUANTPIPE_HOME:-$HOME/.cache/quantpipe}"
@@ -17,6 +21,8 @@ PY="${PYTHON:-python3}"
 BUILD=2
 envs=("${@:-quantize}")
 [ $# -eq 0 ] && envs=(quantize serve)
+legacy=(); for e in "${envs[@]}"; do if [ "$e" = legacy ]; then legacy+=(autoawq gptqmodel); else legacy+=("$e"); fi; done
+envs=("${legacy[@]}")
 
 build() {
   local env=$1 lock=scripts/envs/$1.lock
@@ -56,7 +62,7 @@ PY
     touch "$dir/.complete"
   fi
   mkdir -p .venv
-  if [ "$env" = serve ]; then  # stages load quantpipe by path (pipeline/worker.py): a link is enough
+  if [ "$env" != quantize ]; then  # stages load quantpipe by path (pipeline/worker.py): a link is enough
     ln -sfn "$dir" ".venv/$env"
     echo "==> .venv/$env -> $dir"
     return
