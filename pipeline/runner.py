@@ -29,7 +29,7 @@ from filelock import FileLock, Timeout
 
 from . import __version__, preflight
 from .cache import ContentHasher, StageCache, hash_json
-from .envs import STAGES, git_commit, hardware, hardware_key, lock_hash, python_for, source_hash, versions
+from .envs import LEGACY_ENVS, STAGES, git_commit, hardware, hardware_key, lock_hash, python_for, source_hash, stage_env, versions
 from .recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,9 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
     for a in r.artifacts:
         q = f"quantize:{a.name}"
         acfg = a.model_dump(exclude={"name"})
-        steps.append(Step(q, "quantize", a.name, "merge", values={"artifact": a.name}, cfg={"artifact": acfg, "calibration": r.calibration.model_dump() if r.calibration else None, **common}))
+        steps.append(Step(q, "quantize", a.name, "merge", values={"artifact": a.name}, cfg={"artifact": acfg, "calibration": r.calibration.model_dump() if r.calibration else None, **common}, env=stage_env("quantize", a)))
         if evaluate:
-            steps.append(Step(f"evaluate:{a.name}", "evaluate", a.name, q, refs={"baseline_model": "merge", "baseline_eval": "evaluate:baseline"}, values={"artifact": a.name, "method": a.method}, cfg={**ev_cfg, **common}))
+            steps.append(Step(f"evaluate:{a.name}", "evaluate", a.name, q, refs={"baseline_model": "merge", "baseline_eval": "evaluate:baseline"}, values={"artifact": a.name, "method": a.method}, cfg={**ev_cfg, **common}, env=stage_env("evaluate", a)))
         if r.benchmark.enabled:
             steps.append(Step(f"benchmark:{a.name}", "benchmark", a.name, q, values={"artifact": a.name, "method": a.method}, cfg={**bench_cfg, **common}))
         if r.package.enabled:
@@ -216,7 +216,10 @@ class Runner:
                 s.key = "(after download)"
         else:
             compute_keys(steps, self.recipe, base_dir, self.hasher)
-        return base_dir, select(steps, kinds, artifacts)
+        steps = select(steps, kinds, artifacts)
+        for env in sorted({s.env for s in steps} & set(LEGACY_ENVS.values())):
+            python_for(env)  # an optional environment that is missing stops the plan, naming the command that builds it
+        return base_dir, steps
 
     def dry_run(self, force: set[str], kinds=None, artifacts=None) -> list[dict]:
         base_dir, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 from quantpipe.recipe import Recipe
-from quantpipe.stages import StageError
 
 # name -> artifact settings. Every 4-bit one uses group size 128, and each calibrated method has an
 # uncalibrated twin of the same scheme: GPTQ W4A16 vs RTN W4A16, AWQ W4A16_ASYM (its default) vs RTN
@@ -242,7 +241,7 @@ def test_calibrated_methods_beat_rtn(quality):
         assert r["ppl"] < quality["baseline"]["ppl"] * 1.5, (name, r)
 
 
-# --- determinism, CPU AWQ, legacy backends ---------------------------------------------------------
+# --- determinism, CPU AWQ (legacy backends: tests/test_legacy.py) -----------------------------------
 
 
 @pytest.mark.slow
@@ -273,18 +272,6 @@ def test_awq_pinning_guard():
         # the upstream behaviour the guard exists for; when this stops raising, the guard can go
         with pytest.raises(RuntimeError, match="accelerator"):
             cache.pin_memory(0)
-
-
-@pytest.mark.parametrize("method,backend", [("awq", "autoawq"), ("gptq", "gptqmodel")])
-def test_legacy_backends_refused(method, backend, tmp_path):
-    from quantpipe.stages.quantize import run
-
-    recipe = _recipe_for(tmp_path, method=method, backend=backend)
-    out = tmp_path / "out"
-    out.mkdir()
-    with pytest.raises(StageError, match=rf"backend {backend} needs the legacy environment: run scripts/setup_envs.sh legacy"):
-        run(recipe, tmp_path / "m", out, artifact="a")
-    assert not any(out.iterdir())
 
 
 # --- recipe -> modifiers (no model) ---------------------------------------------------------------

@@ -13,7 +13,8 @@ hash. Tokenizer, chat template and generation config are copied from the merged 
 
 Methods: awq (AWQModifier + W4A16[_ASYM]), gptq (GPTQModifier W4A16/W8A16), fp8 (FP8_DYNAMIC,
 static FP8, FP8_BLOCK), w8a8-int8 (SmoothQuant + GPTQ W8A8), rtn (QuantizationModifier W4A16/W8A16,
-no data: the reference the calibrated methods must beat).
+no data: the reference the calibrated methods must beat). `backend: autoawq` and `backend: gptqmodel`
+hand awq and gptq artifacts to the legacy quantizers instead (stages/legacy.py).
 """
 
 from __future__ import annotations
@@ -176,19 +177,13 @@ def copy_side_files(src: Path, out: Path) -> list[str]:
     return copied
 
 
-def _refuse(a) -> None:
-    backend = getattr(a, "backend", "llm-compressor")
-    if backend in LEGACY_BACKENDS:
-        raise StageError(
-            f"artifact {a.name!r}: backend {backend} needs the legacy environment: run scripts/setup_envs.sh legacy "
-            "(or remove `backend:` to use llm-compressor, the default)"
-        )
-
-
 def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
     """Quantize the model in `src` into `out` (compressed-tensors). Returns metrics for the run log."""
     a = artifact_config(recipe, artifact)
-    _refuse(a)
+    if getattr(a, "backend", "llm-compressor") in LEGACY_BACKENDS:
+        from .legacy import run as run_legacy  # AutoAWQ / GPTQModel, each in its own environment
+
+        return run_legacy(recipe, a, Path(src), Path(out))
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise StageError(f"{src} is not a model directory (no config.json); the quantize stage reads the merged model")
