@@ -367,12 +367,14 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             raise
 
 
-# One client process per server runs every `vllm bench serve` of it: vLLM's own benchmark code
-# (`vllm.benchmarks.serve.main`, what the CLI calls), imported once. A fresh CLI process per run
-# cost 10-20 s of imports each (most of a CPU demo's benchmark time); running it inside this stage's
-# process measured 5-7 % low on a busy 2-core machine (the server-log threads here share its GIL).
+# One client process per server imports vLLM's benchmark code (`vllm.benchmarks.serve.main`, what
+# `vllm bench serve` calls) once and forks a child for each run: a fresh CLI process per run cost
+# 10-20 s of imports each (most of a CPU demo's benchmark time), while running every measurement in
+# one long-lived process measured differently from the CLI on a busy 2-core machine (5-7 % low inside
+# the stage's process, whose server-log threads share its GIL; 20-30 % high in a warm client). A forked
+# child starts each run as the CLI does, only without re-importing.
 _CLIENT = r"""
-import contextlib, json, sys, traceback
+import contextlib, json, os, sys, traceback
 from vllm.benchmarks.serve import add_cli_args, main
 try:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -381,22 +383,26 @@ except ImportError:  # vLLM < 0.11
 print("QP_BENCH_READY", flush=True)
 for line in sys.stdin:
     req = json.loads(line)
-    rc = 0
-    with open(req["log"], "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-        print("$ vllm bench serve " + " ".join(req["args"]), flush=True)
-        parser = FlexibleArgumentParser()
-        add_cli_args(parser)
-        try:
-            main(parser.parse_args(req["args"]))
-        except BaseException:  # SystemExit from argparse too
-            traceback.print_exc()
-            rc = 1
+    pid = os.fork()
+    if pid == 0:
+        rc = 0
+        with open(req["log"], "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            print("$ vllm bench serve " + " ".join(req["args"]), flush=True)
+            parser = FlexibleArgumentParser()
+            add_cli_args(parser)
+            try:
+                main(parser.parse_args(req["args"]))
+            except BaseException:  # SystemExit from argparse too
+                traceback.print_exc()
+                rc = 1
+        os._exit(rc)
+    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     print("QP_BENCH_DONE " + json.dumps({"rc": rc}), flush=True)
 """
 
 
 class BenchClient:
-    """`vllm bench serve` runs in one warm client process (started early: its imports overlap the server's start)."""
+    """Runs `vllm bench serve` in children of one client process (started early: its imports overlap the server's start)."""
 
     def __init__(self, log_path: Path):
         import subprocess
@@ -417,6 +423,7 @@ class BenchClient:
         if not getattr(self, "_ready", False):
             self._reply("QP_BENCH_READY")
             self._ready = True
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         self.p.stdin.write(json.dumps({"args": args, "log": str(log_path)}) + "\n")
         self.p.stdin.flush()
         if json.loads(self._reply("QP_BENCH_DONE "))["rc"] != 0:
