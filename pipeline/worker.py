@@ -11,11 +11,13 @@ Exit 0: done; 2: the stage refused its input (a StageError, message on the last 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import importlib.util
 import json
 import os
 import resource
+import shutil
 import signal
 import sys
 import time
@@ -36,15 +38,6 @@ def _bootstrap() -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM us when the runner dies (even by kill -9); SIGTERM then ends our group."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the runner died before prctl took effect
-        os._exit(143)
 
     def stop(signum, frame):
         try:
@@ -52,7 +45,40 @@ def _die_with_parent() -> None:
         finally:
             os._exit(128 + signum)
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, stop)  # first: a death signal that comes early must end the group too
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    # The runner died before prctl took effect: we were re-parented (to init or a subreaper).
+    runner = os.environ.get("QUANTPIPE_RUNNER_PID")
+    if os.getppid() == 1 or (runner and runner.isdigit() and os.getppid() != int(runner)):
+        os._exit(143)
+
+
+def resource_error(e: BaseException, out: Path) -> str | None:
+    """A sentence for a stage that ran out of disk or memory (anywhere in the exception's chain), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        code = getattr(e, "errno", None)
+        if code in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text or "StorageFull" in text:
+            where = getattr(e, "filename", None) or out
+            try:
+                free = f"{shutil.disk_usage(out if out.exists() else out.parent).free / 2**20:.1f} MiB free there now"
+            except OSError:
+                free = "free space unknown"
+            return (f"no space left on the device while writing {where} ({free}); free some space, or set cache_dir "
+                    "(or $QUANTPIPE_CACHE) to a larger disk, and run again")
+        if isinstance(e, MemoryError) or code == errno.ENOMEM or "can't allocate memory" in text or "Cannot allocate memory" in text:
+            return (f"out of memory ({type(e).__name__}: {text[:200] or 'no message'}; peak RSS {peak_rss_gib()} GiB); "
+                    "give the stage more memory, or reduce what it holds (fewer calibration samples, shorter sequences)")
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def peak_rss_gib() -> float:
@@ -62,8 +88,8 @@ def peak_rss_gib() -> float:
 
 
 def main(spec_path: str) -> int:
-    _bootstrap()
     _die_with_parent()
+    _bootstrap()
     from quantpipe.envs import STAGES
     from quantpipe.recipe import Recipe
     from quantpipe.stages import StageError
@@ -81,8 +107,11 @@ def main(spec_path: str) -> int:
         print(f"quantpipe: {spec['stage']}: {e}", file=sys.stderr)
         print(f"STAGE_ERROR: {e}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as e:
         traceback.print_exc()
+        why = resource_error(e, Path(spec["out"]))
+        if why:
+            print(f"STAGE_ERROR: {why}", file=sys.stderr)
         return 1
     metrics = {**metrics, "wall_s": round(time.perf_counter() - t0, 3), "peak_rss_gib": peak_rss_gib()}
     try:
