@@ -202,7 +202,7 @@ class Runner:
     def say(self, msg: str) -> None:
         if self.console is not None:
             self.console.print(msg, highlight=False)
-        log.info(re.sub(r"\[/?[a-z ]+\]", "", msg))
+        log.info(re.sub(r"\[/?[a-z ]+\]", "", msg).replace("\\[", "["))
 
     def plan(self, dry_run: bool, kinds=None, artifacts=None) -> tuple[str, list[Step]]:
         if artifacts:
@@ -272,6 +272,7 @@ class Runner:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.addFilter(_RedactFilter(self.secret_values))
         logging.getLogger("quantpipe").addHandler(handler)
+        self._close_dead_runs(run_dir)
         recipe_json = self.recipe.model_dump(mode="json")
         record = {
             "run_id": run_id, "recipe_name": self.recipe.name, "recipe_path": str(self.recipe_path.resolve()),
@@ -326,7 +327,7 @@ class Runner:
             problems = self.cache.verify_entry(s.id, s.key, marker, full=True)
             if problems:
                 log.warning("cache entry %s/%s is corrupt (%s); rebuilding it", s.id, s.key, "; ".join(problems[:5]))
-                self.say(f"  [yellow]![/yellow] {s.id}: cached output is corrupt ({problems[0]}); rebuilding")
+                self.say(f"  [yellow]![/yellow] {s.id}: cached output is corrupt ({_plain(problems[0])}); rebuilding")
                 self.cache.discard(s.id, s.key)
                 marker, state = None, "rebuilt"
         if marker is None:
@@ -339,7 +340,7 @@ class Runner:
                         marker = self._build(s, base_dir, outs, run_dir)
                     except StageFailed as e:
                         failed[s.id] = str(e)
-                        self.say(f"  [red]x[/red] {s.id:<24} FAILED after {time.perf_counter() - t0:.1f}s: {e.summary}")
+                        self.say(f"  [red]x[/red] {s.id:<24} FAILED after {time.perf_counter() - t0:.1f}s: {_plain(e.summary)}")
                         return {**rec, "cache": state, "status": "failed", "error": e.summary, "log": str(e.log_path), "log_tail": e.tail}
                 else:
                     state = "hit"
@@ -348,7 +349,7 @@ class Runner:
         outs[s.id] = self.cache.entry(s.id, s.key) / "out"
         metrics = marker.get("metrics", {})
         dt = time.perf_counter() - t0
-        note = f" ({metrics['status_note']})" if metrics.get("status_note") else ""
+        note = f" ({_plain(str(metrics['status_note']))})" if metrics.get("status_note") else ""
         self.say(f"  [green]✓[/green] {s.id:<24} {state:<6} {dt:7.1f}s{note}")
         return {**rec, "cache": state, "status": "ok", "wall_s": round(dt, 3), "stage_wall_s": marker.get("wall_s"), "metrics": metrics, "out": str(outs[s.id])}
 
@@ -364,12 +365,16 @@ class Runner:
         log_path = run_dir / "logs" / f"{s.id.replace(':', '_')}.log"
         self.say(f"  [cyan]>[/cyan] {s.id:<24} running in the {s.env} environment (log: {log_path})")
         t0 = time.perf_counter()
-        rc = self._spawn(s, [str(python_for(s.env)), str(WORKER), str(work / "spec.json")], log_path)
+        try:
+            rc = self._spawn(s, [str(python_for(s.env)), str(WORKER), str(work / "spec.json")], log_path)
+        except BaseException:  # Ctrl-C or SIGTERM: the stage was stopped, its half output goes
+            shutil.rmtree(work, ignore_errors=True)
+            raise
         if rc != 0:
             tail = _tail(log_path)
             shutil.rmtree(work, ignore_errors=True)
             err = [ln for ln in tail.splitlines() if ln.startswith("STAGE_ERROR: ")]
-            summary = err[-1].removeprefix("STAGE_ERROR: ") if err else f"exit code {rc}; last lines of {log_path}:\n{tail}"
+            summary = err[-1].removeprefix("STAGE_ERROR: ") if err else f"{_exit_reason(rc)}; last lines of {log_path}:\n{tail}"
             raise StageFailed(summary, log_path, tail)
         metrics = json.loads((work / "metrics.json").read_text())
         (work / "metrics.json").unlink()
@@ -381,7 +386,7 @@ class Runner:
             raise StageFailed(f"could not commit the output of {s.id} to {self.cache.root}: {e}", log_path, "") from None
 
     def _spawn(self, s: Step, cmd: list[str], log_path: Path) -> int:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "QUANTPIPE_RUNNER_PID": str(os.getpid())}
         env.setdefault("TMPDIR", str(self.cache.root / "tmp"))
         Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as logf:
@@ -402,8 +407,11 @@ class Runner:
     def _pump(self, stream, logf) -> None:
         for raw in iter(stream.readline, b""):
             line = redact(raw.decode("utf-8", "replace"), self.secret_values)
-            logf.write(line)
-            logf.flush()
+            try:
+                logf.write(line)
+                logf.flush()
+            except (OSError, ValueError):
+                pass  # the log's disk is full: keep draining, or the stage would block on a full pipe
             if self.verbose:
                 sys.stderr.write(line)
 
@@ -427,7 +435,12 @@ class Runner:
                 art["gate"] = "NOT RUN"
             pkg = record["stages"].get(f"package:{a.name}", {})
             if pkg.get("status") == "ok":
-                art["package"] = str(self._publish(a.name, Path(pkg["out"]), record["stages"][f"package:{a.name}"]["key"]))
+                try:
+                    art["package"] = str(self._publish(a.name, Path(pkg["out"]), record["stages"][f"package:{a.name}"]["key"]))
+                except OSError as e:  # a full or read-only output disk: the package stays cached, nothing half-published
+                    art["package_error"] = f"could not publish the package to {self.out_dir / 'packages' / a.name}: {e}"
+                    failed[f"publish:{a.name}"] = art["package_error"]
+                    self.say(f"  [red]x[/red] {'publish:' + a.name:<24} FAILED: {_plain(art['package_error'])}")
             record["artifacts"][a.name] = art
         record["status"] = "failed" if failed else ("gate_failed" if any_gate_failed else "ok")
         try:
@@ -452,11 +465,17 @@ class Runner:
         for d in (pk, pk / ".store"):
             if d.is_symlink():  # planted: publishing through it would write outside the output directory
                 raise RunError(f"{d} is a symbolic link; packages are published only inside {self.out_dir}: remove the link and run again")
+        for stale in [*(pk / ".store").glob(f".{artifact}.tmp-*"), *pk.glob(f".{artifact}.link-*")]:
+            # half copies and links of runs killed while publishing (this run holds the output lock)
+            stale.unlink() if stale.is_symlink() or not stale.is_dir() else shutil.rmtree(stale, ignore_errors=True)
         if not store.exists():
             tmp = pk / ".store" / f".{artifact}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(src, tmp, symlinks=False)
-            os.rename(tmp, store)
+            try:
+                shutil.copytree(src, tmp, symlinks=False)
+                os.rename(tmp, store)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
         link = pk / artifact
         tmp_link = pk / f".{artifact}.link-{os.getpid()}"
         if tmp_link.is_symlink():
@@ -469,6 +488,23 @@ class Runner:
             if old != store:
                 shutil.rmtree(old, ignore_errors=True)
         return link
+
+    def _close_dead_runs(self, this_run: Path) -> None:
+        """Records still "running" belong to runs that died without closing them (kill -9, power loss):
+        this run holds the output directory's lock, so none of them is alive. Mark them killed and index them."""
+        for path in sorted((self.out_dir / "runs").glob("*/run.json")):
+            if path.parent == this_run:
+                continue
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("status") == "running":
+                rec["status"] = "killed"
+                rec["error"] = f"the run ended without closing its record (killed, or the machine went down); found by run {this_run.name}"
+                self._write_record(path.parent, rec)
+                self._index(rec, path.parent)
+                log.warning("run %s was killed before it finished; its committed stages stay cached", rec.get("run_id"))
 
     def _write_record(self, run_dir: Path, record: dict) -> None:
         tmp = run_dir / ".run.json.tmp"
@@ -483,7 +519,10 @@ class Runner:
 
     def _trap_signals(self, run_dir, record):
         def handler(signum, frame):
-            self._kill_children()
+            # Signal only: this interrupts the stage's wait(), which holds its waitpid lock, so waiting here
+            # would always time out. The interrupted _spawn reaps the stage and kills what is left of its group.
+            for p in list(self.children):
+                _killpg(p.pid, signal.SIGTERM)
             raise KeyboardInterrupt(f"signal {signum}")
 
         return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if threading.current_thread() is threading.main_thread() else {}
@@ -530,6 +569,24 @@ def _killpg(pid: int, sig) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _plain(text: str) -> str:
+    """Text from a stage or the disk, for the console: brackets in it are not rich markup (`[/path]` would raise)."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _exit_reason(rc: int) -> str:
+    if rc >= 0:
+        return f"exit code {rc}"
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    hint = " (the kernel's out-of-memory killer sends SIGKILL: check `dmesg` and the stage's memory)" if -rc == signal.SIGKILL else ""
+    return f"killed by {name}{hint}"
 
 
 def _tail(path: Path, n: int = 30) -> str:
