@@ -438,7 +438,8 @@ class Runner:
                 try:
                     art["package"] = str(self._publish(a.name, Path(pkg["out"]), record["stages"][f"package:{a.name}"]["key"]))
                 except OSError as e:  # a full or read-only output disk: the package stays cached, nothing half-published
-                    art["package_error"] = f"could not publish the package to {self.out_dir / 'packages' / a.name}: {e}"
+                    why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e)  # copytree: (src, dst, why) per file
+                    art["package_error"] = f"could not publish the package to {self.out_dir / 'packages' / a.name}: {why}"
                     failed[f"publish:{a.name}"] = art["package_error"]
                     self.say(f"  [red]x[/red] {'publish:' + a.name:<24} FAILED: {_plain(art['package_error'])}")
             record["artifacts"][a.name] = art
