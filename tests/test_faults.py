@@ -66,12 +66,12 @@ def write_recipe(path: Path, tiny, cache: Path, out: Path, **over) -> Path:
 class Run:
     """One `quantpipe run` process, its output in files, every descendant marked."""
 
-    def __init__(self, recipe: Path, *args: str, tmp: Path, label: str):
+    def __init__(self, recipe: Path, *args: str, tmp: Path, label: str, env: dict | None = None):
         self.mark = uuid.uuid4().hex
         self.label = label
         self.err_path = tmp / f"{label}.stderr"
         (tmp / "tmp").mkdir(exist_ok=True)
-        env = {**os.environ, MARK: self.mark, "TMPDIR": str(tmp / "tmp")}
+        env = {**os.environ, **(env or {}), MARK: self.mark, "TMPDIR": str(tmp / "tmp")}
         with open(tmp / f"{label}.stdout", "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "quantpipe", "run", str(recipe), *args],
                                          stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
@@ -168,13 +168,23 @@ def gone(run: Run, timeout_s: float = 30) -> list[str]:
     return desc
 
 
+def port_freed(port: int, timeout_s: float = 30) -> bool:
+    """The port stops answering (a process SIGKILLed a moment ago may still be closing its sockets)."""
+    deadline = time.monotonic() + timeout_s
+    while port_in_use(port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.25)
+    return True
+
+
 @pytest.fixture
 def runs(tmp_path):
     """Start runs with runs(recipe, *args, label=...); whatever a failed test leaves running is killed."""
     started: list[Run] = []
 
-    def start(recipe: Path, *args: str, label: str) -> Run:
-        r = Run(recipe, *args, tmp=tmp_path, label=label)
+    def start(recipe: Path, *args: str, label: str, env: dict | None = None) -> Run:
+        r = Run(recipe, *args, tmp=tmp_path, label=label, env=env)
         started.append(r)
         return r
 
@@ -377,7 +387,7 @@ def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
     assert len(a.processes()) >= 4, [p.cmdline()[:3] for p in a.processes()]
     a.stop(signal.SIGKILL)  # no freeze: the server is up for many seconds
     assert gone(a, 60) == [], "stage, server or engine processes outlived the killed run"
-    assert not port_in_use(port)
+    assert port_freed(port), f"port {port} still served after the run was killed"
     assert set(committed(cache)) == {"merge", "quantize:fp8"}
     assert not (tmp_path / "out" / "packages").exists()
 
@@ -415,10 +425,11 @@ def test_two_runs_at_once(tiny, built, tmp_path, runs):
     for r in (a, c, d):
         assert r.wait() == 0, f"{r.label}:\n{r.stderr()[-3000:]}"
     rec_a, rec_c, rec_d = a.record(), c.record(), d.record()
-    assert states(rec_a) == {"merge": "hit", "quantize:fp8": "miss", "package:fp8": "miss"}
-    assert set(states(rec_c).values()) == {"hit"} and rec_c["started_at"] >= rec_a["finished_at"]
-    assert set(states(rec_d).values()) == {"hit"}, "a stage was built twice"
+    # each stage built once: quantize by a (it held the entry when d came), package by whichever got there first
+    assert states(rec_a)["quantize:fp8"] == "miss" and states(rec_d)["quantize:fp8"] == "hit"
+    assert sorted([states(rec_a)["package:fp8"], states(rec_d)["package:fp8"]]) == ["hit", "miss"], "a stage was built twice"
     assert not (d.run_dir() / "logs" / "quantize_fp8.log").exists()
+    assert set(states(rec_c).values()) == {"hit"} and rec_c["started_at"] >= rec_a["finished_at"]
     verify_package(tmp_path / "out" / "packages" / "fp8")
     verify_package(tmp_path / "out2" / "packages" / "fp8")
     assert_entries_verify(cache)
@@ -529,7 +540,9 @@ def test_output_disk_too_small_for_the_package(tiny, built, tmp_path, small_fs, 
     out = small_fs("4m") / "out"
     package_bytes = sum(p.stat().st_size for p in (committed(cache)["package:fp8"] / "out").rglob("*") if p.is_file())
     assert package_bytes > 4 * 2**20  # the package cannot fit, the run's own records can
-    r = runs(write_recipe(tmp_path / "r.yaml", tiny, cache, out), label="publish-full")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, out)
+    # pre-flight may see this coming; a disk that fills after it must still fail cleanly at publishing
+    r = runs(recipe, label="publish-full", env={"QUANTPIPE_PREFLIGHT": "off"})
     assert r.wait() == 1, r.stderr()[-3000:]
     line = next((ln for ln in r.stderr().splitlines() if "publish:fp8" in ln and "FAILED" in ln), "")
     assert str(out / "packages" / "fp8") in line and "No space left" in line and len(line) < 600, r.stderr()[-3000:]
