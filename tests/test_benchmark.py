@@ -307,14 +307,13 @@ import worker
 worker._bootstrap()
 from quantpipe.recipe import Recipe
 from quantpipe.server import Server
-from quantpipe.stages.benchmark import BenchClient, bench_serve_args, measure
+from quantpipe.stages.benchmark import bench_serve_args, measure
 from vllm.benchmarks.serve import add_cli_args
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 cfg = json.loads(Path(sys.argv[2]).read_text())
 out = Path(cfg["out"])
 recipe = Recipe.model_validate(cfg["recipe"])
 srv = Server.connect(cfg["port"], "tiny")
-client = BenchClient(out / "bench-client.log")  # one warm client for all runs, as the stage uses it
 rows = {"quantpipe": [], "direct": []}
 
 def parsed(args):
@@ -328,7 +327,7 @@ da = parsed(cfg["direct_args"])
 rows["args_diff"] = {k: [str(qa.get(k)), str(da.get(k))] for k in set(qa) | set(da) if qa.get(k) != da.get(k) and k != "request_id_prefix"}
 
 def quantpipe_run(i):
-    r, _ = measure(srv, client, recipe, f"qp{i}", list(recipe.benchmark.workloads), {}, cfg["tokenizer"], out)
+    r, _ = measure(srv, recipe, f"qp{i}", list(recipe.benchmark.workloads), {}, cfg["tokenizer"], out)
     rows["quantpipe"].append(r[0])
 
 def direct_run(i):
@@ -340,7 +339,6 @@ def direct_run(i):
 for i in range(cfg["start"], cfg["start"] + cfg["rounds"]):  # interleaved, alternating which goes first, so drift hits both alike
     for f in ((quantpipe_run, direct_run) if i % 2 == 0 else (direct_run, quantpipe_run)):
         f(i)
-client.close()
 Path(cfg["result"]).write_text(json.dumps(rows))
 """
 

@@ -367,77 +367,21 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             raise
 
 
-# One client process per server imports vLLM's benchmark code (`vllm.benchmarks.serve.main`, what
-# `vllm bench serve` calls) once and forks a child for each run: a fresh CLI process per run cost
-# 10-20 s of imports each (most of a CPU demo's benchmark time), while running every measurement in
-# one long-lived process measured differently from the CLI on a busy 2-core machine (5-7 % low inside
-# the stage's process, whose server-log threads share its GIL; 20-30 % high in a warm client). A forked
-# child starts each run as the CLI does, only without re-importing.
-_CLIENT = r"""
-import contextlib, json, os, sys, traceback
-from vllm.benchmarks.serve import add_cli_args, main
-try:
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-except ImportError:  # vLLM < 0.11
-    from vllm.utils import FlexibleArgumentParser
-print("QP_BENCH_READY", flush=True)
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        rc = 0
-        with open(req["log"], "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            print("$ vllm bench serve " + " ".join(req["args"]), flush=True)
-            parser = FlexibleArgumentParser()
-            add_cli_args(parser)
-            try:
-                main(parser.parse_args(req["args"]))
-            except BaseException:  # SystemExit from argparse too
-                traceback.print_exc()
-                rc = 1
-        os._exit(rc)
-    rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    print("QP_BENCH_DONE " + json.dumps({"rc": rc}), flush=True)
-"""
+def vllm_bench_serve(args: list[str], log_path: Path) -> None:
+    """Run `vllm bench serve ARGS`: vLLM's own CLI, in a fresh process, output in `log_path`.
 
+    A fresh process per run costs 10-20 s of imports on 2 cores (the largest item of a CPU demo's
+    benchmark time, after server starts) but measures what the CLI measures. Cheaper ways measured
+    apart from it on this 2-core machine: vLLM's benchmark function inside this stage's process 5-7 %
+    lower throughput; one client process importing it once, with a run per call, 15-26 % higher over
+    9 paired rounds (and a forked child per run was not distinguishable within the noise of the day);
+    the agreement test (`test_figures_agree_with_vllm_bench_serve_within_5_percent`) holds this choice."""
+    import sys
 
-class BenchClient:
-    """Runs `vllm bench serve` in children of one client process (started early: its imports overlap the server's start)."""
-
-    def __init__(self, log_path: Path):
-        import subprocess
-        import sys
-
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._err = open(log_path, "w")
-        self.p = subprocess.Popen([sys.executable, "-c", _CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                  text=True, preexec_fn=_set_pdeathsig)
-
-    def _reply(self, tag: str) -> str:
-        for line in self.p.stdout:
-            if line.startswith(tag):
-                return line[len(tag):].strip()
-        raise RuntimeError(f"the vllm bench serve client exited (code {self.p.wait()}); see {self._err.name}")
-
-    def run(self, args: list[str], log_path: Path) -> None:
-        if not getattr(self, "_ready", False):
-            self._reply("QP_BENCH_READY")
-            self._ready = True
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.p.stdin.write(json.dumps({"args": args, "log": str(log_path)}) + "\n")
-        self.p.stdin.flush()
-        if json.loads(self._reply("QP_BENCH_DONE "))["rc"] != 0:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-            raise RuntimeError(f"vllm bench serve failed; last lines of {log_path}:\n{tail}")
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.stdin.close()
-            try:
-                self.p.wait(timeout=30)
-            except Exception:
-                self.p.kill()
-        self._err.close()
+    rc = run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
 
 
 def row_from_vllm(raw: dict) -> dict:
@@ -535,7 +479,7 @@ def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, 
 # --- measuring one server ---------------------------------------------------------------------
 
 
-def measure(srv: Server, client: BenchClient, recipe: Recipe, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
+def measure(srv: Server, recipe: Recipe, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
             out: Path, lora_names: list[str] | None = None) -> tuple[list[dict], dict]:
     """Every workload x concurrency against a running server; returns (rows, totals over the runs)."""
     cfg = recipe.benchmark
@@ -555,7 +499,7 @@ def measure(srv: Server, client: BenchClient, recipe: Recipe, variant: str, work
             before = _counters(srv.metrics())
             log_at = len(srv.log_text())
             log.info("benchmark %s: workload %s, concurrency %d", variant, w.name, c)
-            client.run(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
+            vllm_bench_serve(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
             time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
             srv.check_alive()
             stats = engine_stats(srv.log_text()[log_at:])
@@ -627,14 +571,13 @@ def serve_variant(name: str, model: Path, engine: dict, recipe: Recipe, plat: di
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=_served_name(recipe),
                  env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")
-    client = BenchClient(out / "logs" / f"bench-client-{name}.log")
     try:
         with srv:
             info["server_start_s"], info["port"] = srv.start_s, srv.port
             log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
             warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, recipe.benchmark.seed,
                     engine.get("max_model_len"), batch=max(recipe.benchmark.concurrency) if lora_names else 1)
-            rows, totals = measure(srv, client, recipe, name, workloads, data, tokenizer, out, lora_names)
+            rows, totals = measure(srv, recipe, name, workloads, data, tokenizer, out, lora_names)
             info["rows"] = rows
             info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
@@ -645,8 +588,6 @@ def serve_variant(name: str, model: Path, engine: dict, recipe: Recipe, plat: di
         info.setdefault("server_start_s", srv.start_s)
         info.setdefault("port", srv.port)
         log.warning("variant %s: %s", name, info["reason"])
-    finally:
-        client.close()
     return info
 
 
