@@ -20,7 +20,7 @@ demo: tiny
 	$(QP) run recipes/demo.yaml
 
 test: tiny
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..recipe import Recipe
 from . import StageError
-from .quantize import copy_side_files, dir_bytes, scheme_name, seed_everything, weights_bytes
+from .quantize import copy_side_files, output_metrics, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -64,24 +64,10 @@ def run(recipe: Recipe, a, src: Path, out: Path) -> dict:
 
     import torch
 
-    size, base_size = dir_bytes(out), dir_bytes(src)
-    w, base_w = weights_bytes(out), weights_bytes(src)
     return {
-        "method": a.method,
+        **output_metrics(a, src, out, provenance),
         "backend": backend,
-        "scheme": scheme_name(a),
-        "group_size": a.group_size,
-        "size_bytes": size,
-        "baseline_size_bytes": base_size,
-        "compression": round(base_size / size, 4) if size else None,
-        "weights_bytes": w,
-        "baseline_weights_bytes": base_w,
-        "weights_compression": round(base_w / w, 4) if w else None,
         **times,
-        "calibration_sha256": provenance["calibration_sha256"],
-        "n_calibration_samples": provenance["n_samples"],
-        "n_calibration_tokens": provenance["n_tokens"],
-        "truncated_samples": provenance["truncated_samples"],
         **extra,
         "seed": recipe.calibration.seed,
         "versions": libs,

@@ -168,6 +168,27 @@ def weights_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
+def output_metrics(a, src: Path, out: Path, provenance: dict) -> dict:
+    """What every backend records about an artifact: scheme, sizes against the baseline, calibration used."""
+    size, base_size = dir_bytes(out), dir_bytes(src)
+    w, base_w = weights_bytes(out), weights_bytes(src)
+    return {
+        "method": a.method,
+        "scheme": scheme_name(a),
+        "group_size": getattr(a, "group_size", None),
+        "size_bytes": size,
+        "baseline_size_bytes": base_size,
+        "compression": round(base_size / size, 4) if size else None,
+        "weights_bytes": w,
+        "baseline_weights_bytes": base_w,
+        "weights_compression": round(base_w / w, 4) if w else None,
+        "calibration_sha256": provenance["calibration_sha256"],
+        "n_calibration_samples": provenance["n_samples"],
+        "n_calibration_tokens": provenance["n_tokens"],
+        "truncated_samples": provenance["truncated_samples"],
+    }
+
+
 def copy_side_files(src: Path, out: Path) -> list[str]:
     copied = []
     for name in SIDE_FILES:
@@ -240,27 +261,13 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
     provenance = prepared.provenance(recipe.calibration) if prepared else {"calibration_sha256": None, "n_samples": 0, "n_tokens": 0, "truncated_samples": 0, "note": f"{scheme_name(a)} needs no calibration data"}
     (out / "calibration.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
-    size, base_size = dir_bytes(out), dir_bytes(src)
-    w, base_w = weights_bytes(out), weights_bytes(src)
     return {
-        "method": a.method,
-        "scheme": scheme_name(a),
-        "group_size": getattr(a, "group_size", None),
-        "size_bytes": size,
-        "baseline_size_bytes": base_size,
-        "compression": round(base_size / size, 4) if size else None,
-        "weights_bytes": w,
-        "baseline_weights_bytes": base_w,
-        "weights_compression": round(base_w / w, 4) if w else None,
+        **output_metrics(a, src, out, provenance),
         "import_s": round(t0 - t_import, 3),
         "calibration_s": round(t_cal - t0, 3),
         "load_s": round(t_load - t_cal, 3),
         "oneshot_s": round(t_oneshot - t_load, 3),
         "save_s": round(t_save - t_oneshot, 3),
-        "calibration_sha256": provenance["calibration_sha256"],
-        "n_calibration_samples": provenance["n_samples"],
-        "n_calibration_tokens": provenance["n_tokens"],
-        "truncated_samples": provenance["truncated_samples"],
         "seed": seed,
         "accelerator": str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None,
     }
