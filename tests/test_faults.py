@@ -273,6 +273,7 @@ def built(tiny, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_at_each_stage_then_resume(tiny, tmp_path, runs):
     """kill -9 while merge writes its weights, SIGTERM and kill -9 during quantization, kill -9 while the
     package is written; each time nothing of the run is left running and nothing partial is committed or
@@ -361,6 +362,7 @@ def _log(run: Run, name: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
     """kill -9 of the run while the benchmark stage's vLLM server is up: the stage, the server and its
     engine process all end, the port is free; the next run redoes the benchmark and publishes the package."""
@@ -403,6 +405,7 @@ def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_runs_at_once(tiny, built, tmp_path, runs):
     """A second run of the same output directory exits 2 with a clear message; one with --wait queues
     behind the first; a run of another output directory sharing the cache waits for the entry being
@@ -440,6 +443,7 @@ def test_two_runs_at_once(tiny, built, tmp_path, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_corrupted_entries_are_named_and_rebuilt(tiny, built, tmp_path, runs):
     """Truncated safetensors (merge), a deleted file (quantize), a flipped byte (package): each is found
     when the run uses the entry, named in a warning, and rebuilt to the same content."""
@@ -504,6 +508,7 @@ def fill(fs: Path, leave_bytes: int) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_disk_full_while_a_stage_saves(tiny, built, tmp_path, small_fs, runs):
     """The cache's disk fills up while quantize runs: the run names the stage and the path, exits 1,
     commits nothing half-written, leaves no working folder; with space again the stage is rebuilt."""
@@ -533,6 +538,7 @@ def test_disk_full_while_a_stage_saves(tiny, built, tmp_path, small_fs, runs):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_output_disk_too_small_for_the_package(tiny, built, tmp_path, small_fs, runs):
     """Every stage is cached but the output directory's disk cannot hold the package: publishing fails
     naming the artifact and the path, the run exits 1, no half copy or link is left, the cache is whole."""
@@ -558,6 +564,7 @@ def test_output_disk_too_small_for_the_package(tiny, built, tmp_path, small_fs, 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_killed_stage_is_reported_and_the_others_kept(tiny, built, tmp_path, runs):
     """quantize:a's worker is SIGKILLed mid-quantization, as the kernel's OOM killer does: the run names the
     stage, the signal and its log tail, exits 1, still builds and publishes artifact b, and writes the report."""

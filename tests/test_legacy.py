@@ -155,6 +155,7 @@ def built(tiny, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @needs_legacy
 def test_legacy_artifacts_are_their_formats(built, tiny):
     rec = built["_record"]
@@ -189,6 +190,7 @@ def test_legacy_artifacts_are_their_formats(built, tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @needs_legacy
 def test_same_calibration_samples_as_llm_compressor(built, tiny):
     """Both legacy environments tokenized and templated the samples exactly as the default path does."""
@@ -210,6 +212,7 @@ def test_same_calibration_samples_as_llm_compressor(built, tiny):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @needs_legacy
 def test_legacy_artifacts_load_generate_and_beat_rtn(built, tiny):
     dirs = {n: str(built[n][0]) for n in ARTIFACTS}
