@@ -3,7 +3,8 @@
 # /tmp only while calls follow each other). The wheel bundles are carried in first, one folder per
 # call, and copied to /tmp/w/{vllm,llmc,extra}; .gpu/tiny is a copy of the tiny models (.tiny/).
 #
-#   scripts/h200_run.sh install                 install the bundles, build the 8B-shaped model + LoRA
+#   scripts/h200_run.sh install [SHAPE...]      install the bundles, build the shaped models + LoRA
+#                                               (SHAPE: llama3-8b (default), qwen25-7b)
 #   scripts/h200_run.sh run RECIPE [ARGS...]    quantpipe run RECIPE ARGS, results into $OUT
 #   scripts/h200_run.sh bench-serve ARTIFACT_DIR OUTNAME [vllm bench serve args...]
 #                                               a bare `vllm serve` + `vllm bench serve`, to set
@@ -24,7 +25,9 @@ install)
     sed -i -E 's#/[^ "]*/tasks/#/tmp/qp/tiny/tasks/#g' /tmp/qp/tiny/tasks/*.yaml
   fi
   source /tmp/qp/env.sh
-  [ -d /tmp/qp/models/llama3-8b/base ] || python3 scripts/make_shaped_model.py --shape llama3-8b --tokenizer "$files/tok" --out /tmp/qp/models/llama3-8b || exit 1
+  for shape in "${@:-llama3-8b}"; do
+    [ -d /tmp/qp/models/$shape/base ] || python3 scripts/make_shaped_model.py --shape $shape --tokenizer "$files/tok" --out /tmp/qp/models/$shape || exit 1
+  done
   echo "model: $(( $(date +%s) - t0 )) s"
   ;;
 run)
