@@ -91,8 +91,10 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--stages", default=None, help="Run only these stage kinds (and what they need). " + STAGE_HELP)
 @click.option("--artifacts", default=None, help="Build only these artifacts (comma-separated names).")
 @click.option("--wait", is_flag=True, help="If another run holds the output directory, wait for it instead of failing.")
+@click.option("--stage-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MINUTES",
+              help="Stop any stage that runs longer than this (and its processes); the run goes on with the others and exits non-zero.")
 @click.pass_context
-def run(ctx, recipe, dry_run, force, stages, artifacts, wait):
+def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout):
     """Run RECIPE's stages, reusing every cached one."""
     from .envs import EnvError
     from .runner import KINDS, Runner, RunError
@@ -107,7 +109,8 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait):
     if bad:
         raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
     console = _console()
-    runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"])
+    runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"],
+                    stage_timeout_s=stage_timeout * 60 if stage_timeout else None)
     try:
         if dry_run:
             from rich.table import Table

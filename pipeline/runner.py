@@ -188,8 +188,9 @@ def select(steps: list[Step], kinds: set[str] | None, artifacts: set[str] | None
 
 
 class Runner:
-    def __init__(self, recipe: Recipe, recipe_path: Path, console=None, verbose: bool = False):
+    def __init__(self, recipe: Recipe, recipe_path: Path, console=None, verbose: bool = False, stage_timeout_s: float | None = None):
         self.recipe = recipe
+        self.stage_timeout_s = stage_timeout_s
         self.recipe_path = Path(recipe_path)
         self.console = console
         self.verbose = verbose
@@ -370,6 +371,11 @@ class Runner:
         except BaseException:  # Ctrl-C or SIGTERM: the stage was stopped, its half output goes
             shutil.rmtree(work, ignore_errors=True)
             raise
+        if rc is None:  # ran past --stage-timeout and was stopped
+            shutil.rmtree(work, ignore_errors=True)
+            raise StageFailed(f"{s.id} ran longer than --stage-timeout ({self.stage_timeout_s / 60:g} min) and was stopped with its "
+                              f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
+                              log_path, _tail(log_path))
         if rc != 0:
             tail = _tail(log_path)
             shutil.rmtree(work, ignore_errors=True)
@@ -385,7 +391,8 @@ class Runner:
             shutil.rmtree(work, ignore_errors=True)
             raise StageFailed(f"could not commit the output of {s.id} to {self.cache.root}: {e}", log_path, "") from None
 
-    def _spawn(self, s: Step, cmd: list[str], log_path: Path) -> int:
+    def _spawn(self, s: Step, cmd: list[str], log_path: Path) -> int | None:
+        """Run a stage worker in its own process group; its exit code, or None if it ran past the stage timeout."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "QUANTPIPE_RUNNER_PID": str(os.getpid())}
         env.setdefault("TMPDIR", str(self.cache.root / "tmp"))
         Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
@@ -397,7 +404,14 @@ class Runner:
             pump = threading.Thread(target=self._pump, args=(p.stdout, logf), daemon=True)
             pump.start()
             try:
-                rc = p.wait()
+                rc = p.wait(timeout=self.stage_timeout_s)
+            except subprocess.TimeoutExpired:  # a hung stage: SIGTERM (the worker ends its group), then SIGKILL
+                _killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    pass
+                rc = None
             finally:
                 pump.join(timeout=10)
                 self.children.discard(p)

@@ -11,7 +11,8 @@
 # a failure. Runs queue behind one another (--wait) if cron starts a night while the last one still runs.
 #
 # Environment: QUANTPIPE (the command, default: this checkout's .venv/quantize/bin/quantpipe, else `quantpipe`
-# on PATH), QUANTPIPE_NIGHTLY_ARGS (extra `quantpipe run` arguments, e.g. "--force benchmark").
+# on PATH), QUANTPIPE_NIGHTLY_ARGS (extra `quantpipe run` arguments, e.g. "--force benchmark" or
+# "--stage-timeout 120" so that a hung stage cannot hold the night).
 set -u -o pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,25 @@ def test_rerun_is_all_cache_hits_and_corruption_is_rebuilt(tiny, tmp_path):
     assert len(index) == 4 and all(i["status"] == "ok" for i in index)
 
 
+
+
+@pytest.mark.slow
+def test_a_stage_past_the_stage_timeout_is_stopped_and_nothing_of_it_kept(tiny, tmp_path):
+    """--stage-timeout: a stage that runs too long (here: any merge, given 1.2 s) is stopped with its
+    processes, reported by name with the limit, nothing is committed, and the run exits non-zero."""
+    import psutil
+
+    recipe = small_recipe(tiny, tmp_path)
+    t0 = time.monotonic()
+    r = run_cli("run", "--stages", "merge", "--stage-timeout", "0.02", str(recipe))
+    assert time.monotonic() - t0 < 120
+    assert r.returncode not in (0, 2), r.stderr
+    assert "merge ran longer than --stage-timeout (0.02 min)" in r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    rec = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
+    assert rec["status"] == "failed" and rec["stages"]["merge"]["status"] == "failed"
+    merges = tmp_path / "cache" / "stages" / "merge"
+    assert not [d for d in merges.iterdir() if d.is_dir()] if merges.exists() else True, "a stopped stage left an entry"
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert left == [], left
+    assert run_cli("run", "--stage-timeout", "0", str(recipe)).returncode == 2  # a limit must be > 0
