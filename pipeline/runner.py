@@ -190,10 +190,10 @@ def select(steps: list[Step], kinds: set[str] | None, artifacts: set[str] | None
 class Runner:
     def __init__(self, recipe: Recipe, recipe_path: Path, console=None, verbose: bool = False, stage_timeout_s: float | None = None):
         self.recipe = recipe
-        self.stage_timeout_s = stage_timeout_s
         self.recipe_path = Path(recipe_path)
         self.console = console
         self.verbose = verbose
+        self.stage_timeout_s = stage_timeout_s
         self.cache = StageCache(cache_root(recipe))
         self.hasher = ContentHasher(cache_root(recipe) / "hashes.json")
         self.out_dir = Path(recipe.output_dir)
@@ -371,14 +371,13 @@ class Runner:
         except BaseException:  # Ctrl-C or SIGTERM: the stage was stopped, its half output goes
             shutil.rmtree(work, ignore_errors=True)
             raise
-        if rc is None:  # ran past --stage-timeout and was stopped
-            shutil.rmtree(work, ignore_errors=True)
-            raise StageFailed(f"{s.id} ran longer than --stage-timeout ({self.stage_timeout_s / 60:g} min) and was stopped with its "
-                              f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
-                              log_path, _tail(log_path))
         if rc != 0:
             tail = _tail(log_path)
             shutil.rmtree(work, ignore_errors=True)
+            if rc is None:  # ran past --stage-timeout and was stopped
+                raise StageFailed(f"{s.id} ran longer than --stage-timeout ({self.stage_timeout_s / 60:g} min) and was stopped with its "
+                                  f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
+                                  log_path, tail)
             err = [ln for ln in tail.splitlines() if ln.startswith("STAGE_ERROR: ")]
             summary = err[-1].removeprefix("STAGE_ERROR: ") if err else f"{_exit_reason(rc)}; last lines of {log_path}:\n{tail}"
             raise StageFailed(summary, log_path, tail)
