@@ -151,6 +151,11 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
                 terms["baseline (for KL)"] = P * b
             if gpu:
                 gpu_terms, terms = dict(terms), {"loading": P * b}
+                le = recipe.evaluation.lm_eval
+                if s.values.get("backend") == "vllm":  # vLLM reserves its share of the GPU up front, whatever the model needs
+                    util = (le.gpu_memory_utilization if le else None) or 0.9
+                    gpu_terms = {f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(util * gpu["total_bytes"]),
+                                 "_needs": P * b}
         elif s.kind == "benchmark":
             weights = artifact_bytes(a, m, b)
             engines = [recipe.benchmark.engine] + [v.engine for v in recipe.benchmark.variants]
@@ -220,7 +225,9 @@ def gpu_memory() -> dict | None:
     if not shutil.which("nvidia-smi"):
         return None
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits"],
+        # nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says: ask for the first one the stages will use
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits", *(["-i", visible] if visible else [])],
                            capture_output=True, text=True, timeout=20)
         total, free = (int(float(x)) * 2**20 for x in r.stdout.strip().splitlines()[0].split(","))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
@@ -258,8 +265,9 @@ def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[st
                 out.append(f"{sid} needs about {_gib(e['gpu_bytes'])} of GPU memory ({_terms(e['gpu_terms'])}) but {_gib(g['free_bytes'])} "
                            f"is free; " + _advice(recipe, sid, e["gpu_terms"]))
             elif needs and needs > e["gpu_bytes"]:
+                knob = "evaluation.lm_eval.gpu_memory_utilization" if sid.startswith("evaluate") else "benchmark.engine.gpu_memory_utilization (or a smaller max_model_len)"
                 out.append(f"{sid}: the weights and one max_model_len sequence of KV cache need about {_gib(needs)}, more than the "
-                           f"{_gib(e['gpu_bytes'])} vLLM reserves; set a smaller benchmark.engine.max_model_len or a higher gpu_memory_utilization")
+                           f"{_gib(e['gpu_bytes'])} vLLM reserves; set a higher {knob}")
     need = {"cache": sum(e["disk_cache_bytes"] for s, e in estimates.items() if s in to_build),
             "output": sum(e["disk_output_bytes"] for s, e in estimates.items() if s in to_build)}
     disks = have.get("disk") or {}
@@ -291,6 +299,8 @@ def _advice(recipe, sid: str, terms: dict) -> str:
         return "to fit: a lower benchmark.engine.gpu_memory_utilization, or free the GPU"
     if kind == "merge":
         return "to fit: merge on a machine with more memory once, then point base.model at the merged model and drop adapters"
+    if kind == "evaluate" and any(k.startswith("gpu_memory_utilization") for k in terms):
+        return "to fit: a lower evaluation.lm_eval.gpu_memory_utilization, or free the GPU"
     if kind == "evaluate":
         return "to fit: a machine with more memory, or evaluate fewer artifacts at once (--artifacts)"
     return "to fit: a machine with more memory"

@@ -203,6 +203,14 @@ class LmEval(Strict):
     apply_chat_template: bool = False
     seed: int = 1234
     backend: Literal["auto", "hf", "vllm"] = "auto"
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vllm backend on a GPU: the share of GPU memory its engine reserves (None: vLLM's 0.9). Lower it to share the GPU.")
+
+    @model_validator(mode="after")
+    def _gpu_share_needs_vllm(self):
+        if self.gpu_memory_utilization is not None and self.backend == "hf":
+            raise ValueError("gpu_memory_utilization applies to the vllm backend only; remove it, or set backend: vllm (or auto)")
+        return self
 
 
 class Validation(Strict):

@@ -7,8 +7,14 @@
 #                                               (SHAPE: llama3-8b (default), qwen25-7b)
 #   scripts/h200_run.sh run RECIPE [ARGS...]    quantpipe run RECIPE ARGS, results into $OUT
 #   scripts/h200_run.sh bench-serve ARTIFACT_DIR OUTNAME [vllm bench serve args...]
-#                                               a bare `vllm serve` + `vllm bench serve`, to set
-#                                               beside the benchmark stage's figures
+#                                               a bare `vllm serve` + `vllm bench serve` per concurrency
+#                                               (QP_CONCURRENCY), to set beside the benchmark stage's figures
+#   scripts/h200_run.sh pipeline                issue #7 on a 2-GPU host, detached (it outlives the call):
+#                                               the 8B recipe split by artifact over the GPUs, the tiny
+#                                               model's validation beside it, the bare side-by-side, then
+#                                               the whole recipe once more (packages the rest) and a re-run
+#   scripts/h200_run.sh collect SECONDS         wait for `pipeline` (at most SECONDS), print its progress and
+#                                               put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 set -uo pipefail
 files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
@@ -46,20 +52,67 @@ run)
   exit $rc
   ;;
 bench-serve)
+  # The server's flags are the recipe's engine settings; VLLM_SERVER_DEV_MODE only opens /reset_prefix_cache,
+  # which is called before each run as the benchmark stage does (the runs reuse one seed, so one prompt set).
   source /tmp/qp/env.sh
   model=$1 name=$2; shift 2
-  PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra PATH=/tmp/qp/vllm/bin:$PATH python3 -m vllm.entrypoints.cli.main serve "$model" \
-    --host 127.0.0.1 --port 8321 --max-model-len 2048 --gpu-memory-utilization 0.85 > /tmp/qp/bare-serve.log 2>&1 &
+  res=${QP_RESULTS:-${OUT:-/tmp/qp}}; mkdir -p "$res"
+  VLLM_SERVER_DEV_MODE=1 PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra PATH=/tmp/qp/vllm/bin:$PATH python3 -m vllm.entrypoints.cli.main serve "$model" \
+    --host 127.0.0.1 --port 8321 --max-model-len 2048 --gpu-memory-utilization 0.85 > "$res/bare-serve-$name.log" 2>&1 &
   pid=$!
-  until curl -sf http://127.0.0.1:8321/health >/dev/null; do sleep 1; kill -0 $pid 2>/dev/null || { tail -30 /tmp/qp/bare-serve.log; exit 1; }; done
+  until curl -sf http://127.0.0.1:8321/health >/dev/null; do sleep 1; kill -0 $pid 2>/dev/null || { tail -30 "$res/bare-serve-$name.log"; exit 1; }; done
   echo "bare server up after $(( $(date +%s) - t0 )) s"
-  PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra python3 -m vllm.entrypoints.cli.main bench serve --backend openai \
-    --host 127.0.0.1 --port 8321 --endpoint /v1/completions --model "$model" --save-result \
-    --result-dir "${OUT:-/tmp/qp}" --result-filename "$name.json" "$@"
-  rc=$?
+  rc=0
+  for c in ${QP_CONCURRENCY:-1}; do
+    curl -sf -X POST http://127.0.0.1:8321/reset_prefix_cache >/dev/null || echo "prefix cache not reset"
+    PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra python3 -m vllm.entrypoints.cli.main bench serve --backend openai \
+      --host 127.0.0.1 --port 8321 --endpoint /v1/completions --model "$model" --max-concurrency "$c" --save-result \
+      --result-dir "$res" --result-filename "$name-c$c.json" "$@" || rc=$?
+  done
   kill $pid; wait $pid 2>/dev/null
   echo "bench-serve rc=$rc after $(( $(date +%s) - t0 )) s"
   exit $rc
   ;;
-*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS]" >&2; exit 2 ;;
+pipeline)
+  mkdir -p /tmp/qp/log
+  setsid nohup bash scripts/h200_run.sh _drive > /tmp/qp/log/drive.log 2>&1 < /dev/null &
+  echo "pipeline started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
+  ;;
+_drive)
+  source /tmp/qp/env.sh
+  R=recipes/h200-llama3-8b-full.yaml R1=recipes/h200-llama3-8b-gpu1.yaml L=/tmp/qp/log
+  sed "s#^output_dir: .*#output_dir: /tmp/qp/out/h200-llama3-8b-gpu1#" $R > $R1  # a second output dir, the same cache
+  stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
+  stamp start; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  # GPU 0: merge, the baseline, fp8 and awq. GPU 1: quantize int8, gptq and awq meanwhile, then evaluate
+  # and benchmark int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations.
+  ( CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?" ) &
+  a=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    python3 -m quantpipe run $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
+    python3 -m quantpipe run $R1 --stages evaluate,benchmark --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
+  b=$!
+  ( CUDA_VISIBLE_DEVICES=1 python3 -m quantpipe run recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1; stamp "T rc=$?" ) &
+  wait $a
+  CUDA_VISIBLE_DEVICES=0 QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve \
+    /tmp/qp/out/h200-llama3-8b-full/packages/fp8 fp8 --dataset-name random --random-input-len 512 --random-output-len 128 \
+    --random-range-ratio 0.0 --random-prefix-len 0 --num-prompts 64 --request-rate inf --ignore-eos --temperature 0 --seed 0 \
+    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --goodput ttft:500 tpot:50 > $L/bare.log 2>&1
+  stamp "bare rc=$?"
+  wait
+  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe, packages the rest) rc=$?"
+  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
+  ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* 2>&1; df -h /tmp
+  stamp done; touch $L/done
+  ;;
+collect)
+  end=$(( t0 + ${1:-540} ))
+  while [ ! -e /tmp/qp/log/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 15; done
+  for f in /tmp/qp/log/*.log; do echo "== $f"; grep -E "✓|x |FAILED|rc=|run |skipped|Error|error" "$f" | tail -n 40; done
+  nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
+  cd /tmp/qp && find log out cache -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.html' \
+      -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \
+    | tar czf "$OUT/results.tgz" -T - && ls -la "$OUT"
+  ;;
+*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | collect SECONDS" >&2; exit 2 ;;
 esac

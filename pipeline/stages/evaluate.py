@@ -767,11 +767,14 @@ def _vllm_model(recipe: Recipe, src: Path, artifact: str, method: str, settings:
             bpt = (kv_bytes_per_token(src, None) or 0) * (2 if settings["dtype"] == "float32" else 1)
             need = bpt * (_model_config(src).get("max_position_embeddings") or 0)
             model_args["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
-        # On the CPU the engine start is torch.compile's warm-up (35-110 s on 2 cores) and a separate engine
-        # process adds a hop to every request; eager and in-process, the tiny model's engine starts in ~5 s
-        # with the same lm-eval figures. On a GPU vLLM's defaults stay (CUDA graphs pay off there).
-        model_args["enforce_eager"] = True
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if le.gpu_memory_utilization is not None and plat["platform"] != "cpu":
+        model_args["gpu_memory_utilization"] = le.gpu_memory_utilization
+    # Evaluation measures accuracy, not speed: torch.compile and CUDA-graph capture would only lengthen the
+    # engine start (on the CPU 35-110 s on 2 cores; on an H200 ~45 s of a ~90 s start for an 8B model), and a
+    # separate engine-core process costs one more import of vLLM (~20 s there) and a hop per request. So the
+    # engine runs eager and in-process, on every platform; lm_eval_command records both.
+    model_args["enforce_eager"] = True
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from lm_eval.models.vllm_causallms import VLLM
 
     lm = VLLM.create_from_arg_obj(model_args, {"batch_size": le.batch_size, "device": settings["device"]})
