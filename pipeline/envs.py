@@ -129,6 +129,10 @@ def hardware_key() -> str:
 
 @cache
 def git_commit() -> str | None:
+    """The checkout's commit (-dirty with uncommitted changes); QUANTPIPE_GIT_COMMIT where the code is a copy
+    without its .git (an offline GPU host gets a `git archive`: scripts/h200_run.sh sets it)."""
+    if os.environ.get("QUANTPIPE_GIT_COMMIT"):
+        return os.environ["QUANTPIPE_GIT_COMMIT"]
     try:
         r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)

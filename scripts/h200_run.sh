@@ -16,12 +16,20 @@
 #   scripts/h200_run.sh collect SECONDS         wait for `pipeline` (at most SECONDS), print its progress and
 #                                               put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
+#
+# The device calls for issue #7 (2 x H200; 30 device-minutes a session; a machine is held 30 min at most):
+#   here:  rm -rf .gpu/qp && mkdir .gpu/qp && git archive HEAD | tar -x -C .gpu/qp && git rev-parse HEAD > .gpu/qp/.git_commit
+#   calls 1-6 carry .gpu/vllm/partN alone:  mkdir -p /tmp/w/vllm && cp -r .gpu/vllm/partN/. /tmp/w/vllm/
+#   call 7 carries part7, llmc, extra, tok, tiny and qp: copy them to /tmp/w/{vllm,llmc,extra}, qp to
+#          /tmp/qp/src, then there `QP_GPU_FILES=$REPO/.gpu bash scripts/h200_run.sh install && bash scripts/h200_run.sh pipeline`
+#   then `bash scripts/h200_run.sh collect 540` (from /tmp/qp/src) back to back until it says done.
 set -uo pipefail
 files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
 cd "$(dirname "$0")/.."
 t0=$(date +%s)
 phase=$1; shift
 export QUANTPIPE_CACHE=/tmp/qp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+[ -f .git_commit ] && export QUANTPIPE_GIT_COMMIT=$(cat .git_commit)  # the archive's commit (run.json records it)
 case $phase in
 install)
   bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
@@ -74,18 +82,21 @@ bench-serve)
   exit $rc
   ;;
 pipeline)
-  mkdir -p /tmp/qp/log
+  mkdir -p /tmp/qp/log && rm -f /tmp/qp/log/done
   setsid nohup bash scripts/h200_run.sh _drive > /tmp/qp/log/drive.log 2>&1 < /dev/null &
   echo "pipeline started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
   ;;
 _drive)
+  # Timeline measured on 2026-11-30 (2 x H200): A 15.3 min, B 17.4 min without the three artifact
+  # evaluations that failed there (~45 s each), then the side-by-side ~3.5 min; ~22 min in all.
   source /tmp/qp/env.sh
   R=recipes/h200-llama3-8b-full.yaml R1=recipes/h200-llama3-8b-gpu1.yaml L=/tmp/qp/log
   sed "s#^output_dir: .*#output_dir: /tmp/qp/out/h200-llama3-8b-gpu1#" $R > $R1  # a second output dir, the same cache
   stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
-  stamp start; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  stamp "start (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   # GPU 0: merge, the baseline, fp8 and awq. GPU 1: quantize int8, gptq and awq meanwhile, then evaluate
-  # and benchmark int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations.
+  # and benchmark int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations
+  # (its engine takes 0.25 of the GPU, the 8B quantizations at most 3.7 GiB).
   ( CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?" ) &
   a=$!
   ( export CUDA_VISIBLE_DEVICES=1
@@ -93,15 +104,17 @@ _drive)
     python3 -m quantpipe run $R1 --stages evaluate,benchmark --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
   b=$!
   ( CUDA_VISIBLE_DEVICES=1 python3 -m quantpipe run recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1; stamp "T rc=$?" ) &
-  wait $a
-  CUDA_VISIBLE_DEVICES=0 QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve \
-    /tmp/qp/out/h200-llama3-8b-full/packages/fp8 fp8 --dataset-name random --random-input-len 512 --random-output-len 128 \
-    --random-range-ratio 0.0 --random-prefix-len 0 --num-prompts 64 --request-rate inf --ignore-eos --temperature 0 --seed 0 \
-    --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --goodput ttft:500 tpot:50 > $L/bare.log 2>&1
-  stamp "bare rc=$?"
-  wait
+  wait $a $b
+  # The bare side-by-side on the artifact the benchmark stage served (the quantize stage's cache entry),
+  # with the stage's workload arguments; the whole recipe then packages int8 and gptq, and runs once more.
+  m=$(python3 -c "import json,glob; print(json.load(open(sorted(glob.glob('/tmp/qp/out/h200-llama3-8b-full/runs/*/run.json'))[0]))['stages']['quantize:fp8']['out'])")
+  ( CUDA_VISIBLE_DEVICES=1 QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve "$m" fp8 \
+      --dataset-name random --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --random-prefix-len 0 \
+      --num-prompts 64 --request-rate inf --ignore-eos --temperature 0 --seed 0 --percentile-metrics ttft,tpot,itl,e2el \
+      --metric-percentiles 50,90,99 --goodput ttft:500 tpot:50 > $L/bare.log 2>&1; stamp "bare rc=$?" ) &
   CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe, packages the rest) rc=$?"
   CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
+  wait
   ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* 2>&1; df -h /tmp
   stamp done; touch $L/done
   ;;

@@ -138,6 +138,14 @@ def test_package_layout_and_verify_ok(pkg):
 
 
 @pytest.mark.slow
+def test_shards_are_hard_links_to_the_quantize_entry(model, pkg):
+    """The cache holds an artifact's weights once: the package entry links the quantize entry's shards."""
+    out, metrics = pkg
+    assert metrics["hardlinked_shards"] == 1
+    assert (out / "model.safetensors").stat().st_ino == (model["quant"] / "model.safetensors").stat().st_ino
+
+
+@pytest.mark.slow
 def test_manifest_records_hashes_keys_and_provenance(pkg):
     import hashlib
 

@@ -147,3 +147,32 @@ def test_the_demo_fits_a_24_gib_machine(tiny):
     assert set(est) == {s.id for s in steps}
     disk = {"path": "/", "free_bytes": 12 * GIB, "dev": 1}
     assert preflight.problems(r, est, {"ram_bytes": 12 * GIB, "gpu": None, "disk": {"cache": disk, "output": disk}}, set(est)) == []
+
+
+def test_gpu_evaluation_with_vllm_reserves_its_share(tmp_path):
+    """lm-eval's vllm engine takes gpu_memory_utilization of the GPU up front: refused when that much is not free."""
+    m = model_dir(tmp_path, LLAMA)
+    gpu = {"total_bytes": 80 * GIB, "free_bytes": 79 * GIB}
+    r = recipe(tmp_path, m, evaluation={"lm_eval": {"tasks": ["t"], "backend": "vllm", "gpu_memory_utilization": 0.25}})
+    est = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=gpu)
+    assert est["evaluate:baseline"]["gpu_bytes"] == 20 * GIB
+    have = {"ram_bytes": 64 * GIB, "gpu": {"total_bytes": 80 * GIB, "free_bytes": 10 * GIB}, "disk": {}}
+    bad = preflight.problems(r, est, have, {"evaluate:baseline"})
+    assert any(p.startswith("evaluate:baseline needs about 20.00 GiB of GPU memory") and "evaluation.lm_eval.gpu_memory_utilization" in p for p in bad), bad
+    default = recipe(tmp_path, m, evaluation={"lm_eval": {"tasks": ["t"], "backend": "vllm"}})
+    assert preflight.estimate(default, build_steps(default, str(m)), str(m), gpu=gpu)["evaluate:baseline"]["gpu_bytes"] == int(0.9 * 80 * GIB)
+
+
+def test_gpu_memory_is_read_for_the_gpu_cuda_visible_devices_names(tmp_path, monkeypatch):
+    """nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says; pre-flight asks for the first visible one.
+    (nvidia-smi is outside the product and absent on CI: a script stands in for it.)"""
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\ncase "$*" in *"-i 1"*) echo "81920, 2048";; *) echo "81920, 81000";; esac\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 81000 * 2**20}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 2048 * 2**20}
+

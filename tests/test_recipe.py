@@ -81,6 +81,8 @@ BAD = {
     "auto-gptq": (lambda d: d["artifacts"][1].update(backend="auto-gptq"), "gptqmodel"),
     "calibration missing": (lambda d: d.pop("calibration"), "need calibration data"),
     "quantization flag": (lambda d: d.update(benchmark={"engine": {"extra_args": ["--quantization=awq"]}}), "--quantization"),
+    "gpu share for hf": (lambda d: d.update(evaluation={"lm_eval": {"tasks": ["t"], "backend": "hf", "gpu_memory_utilization": 0.3}}),
+                         "gpu_memory_utilization applies to the vllm backend only"),
 }
 
 

@@ -95,6 +95,7 @@ def run(recipe, src: Path, out: Path, artifact: str, merged: Path, evaluation: P
         "resharded": weights["resharded"],
         "max_shard_bytes": max_shard,
         "largest_shard_bytes": weights["largest_shard_bytes"],
+        "hardlinked_shards": weights.get("hardlinked_shards", 0),
         "license": license_,
         "license_source": license_source,
         "chat_template": has_template,
