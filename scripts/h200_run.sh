@@ -97,13 +97,15 @@ _drive)
   # GPU 0: merge, the baseline, fp8 and awq. GPU 1: quantize int8, gptq and awq meanwhile, then evaluate
   # and benchmark int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations
   # (its engine takes 0.25 of the GPU, the 8B quantizations at most 3.7 GiB).
-  ( CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?" ) &
+  ( CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?" ) &
   a=$!
   ( export CUDA_VISIBLE_DEVICES=1
-    python3 -m quantpipe run $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
-    python3 -m quantpipe run $R1 --stages evaluate,benchmark --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
+    python3 -m quantpipe run --stage-timeout 8 recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
+    t=$!
+    python3 -m quantpipe run --stage-timeout 8 $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
+    wait $t; stamp "T rc=$?"  # B2's engines take 0.9 of GPU 1: the tiny engines must be gone first
+    python3 -m quantpipe run --stage-timeout 8 $R1 --stages evaluate,benchmark --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
   b=$!
-  ( CUDA_VISIBLE_DEVICES=1 python3 -m quantpipe run recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1; stamp "T rc=$?" ) &
   wait $a $b
   # The bare side-by-side on the artifact the benchmark stage served (the quantize stage's cache entry),
   # with the stage's workload arguments; the whole recipe then packages int8 and gptq, and runs once more.
@@ -112,8 +114,8 @@ _drive)
       --dataset-name random --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --random-prefix-len 0 \
       --num-prompts 64 --request-rate inf --ignore-eos --temperature 0 --seed 0 --percentile-metrics ttft,tpot,itl,e2el \
       --metric-percentiles 50,90,99 --goodput ttft:500 tpot:50 > $L/bare.log 2>&1; stamp "bare rc=$?" ) &
-  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe, packages the rest) rc=$?"
-  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
+  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe, packages the rest) rc=$?"
+  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
   wait
   ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* 2>&1; df -h /tmp
   stamp done; touch $L/done
