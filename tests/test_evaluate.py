@@ -578,3 +578,16 @@ def test_vllm_backend_refuses_what_vllm_cannot_run_and_a_baseline_of_another_bac
     rc, _, text = _serve_stage(tmp_path / "mixed", vllm_recipe, tiny.llama, vllm_tmp, artifact="self", method="none",
                                baseline_model=tiny.llama, baseline_eval=hf_base)
     assert rc == 2 and "backend: baseline 'hf', artifact 'vllm'" in text, text[-3000:]
+
+
+def test_a_missing_lm_eval_dependency_fails_before_any_model_loads(tmp_path, monkeypatch):
+    """On the H200 lm-eval's `datasets` was missing and the stage found out after a 90 s engine start:
+    the import comes first now, and its error names the module and where to install it."""
+    for name in [m for m in sys.modules if m == "datasets" or m.startswith(("datasets.", "lm_eval.evaluator", "lm_eval.loggers"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    recipe = Recipe.model_validate({"name": "e", "output_dir": str(tmp_path / "out"), "base": {"model": str(tmp_path / "no-model")},
+                                    "artifacts": [{"name": "fp8", "method": "fp8"}],
+                                    "evaluation": {"lm_eval": {"tasks": ["t"], "backend": "hf"}}})
+    with pytest.raises(StageError, match=r"lm-eval cannot be imported .*datasets.*scripts/setup_envs.sh"):
+        run(recipe, tmp_path / "no-model", tmp_path / "out", backend="hf")

@@ -364,6 +364,8 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
                 f"{'vLLM' if importlib.util.find_spec('vllm') is None else 'lm-eval'} ({sys.executable}); quantpipe runs "
                 "the stage in the serve environment (scripts/setup_envs.sh serve), or use backend: hf"
             )
+    if ev.lm_eval is not None:
+        _import_lm_eval()
     src, out = Path(src), Path(out)
     is_artifact = artifact != "baseline"
     if is_artifact and (baseline_model is None or baseline_eval is None):
@@ -864,6 +866,18 @@ def _fidelity_topk(base: list, mine: list) -> dict | None:
         return None
     return {"kl_mean": kl_sum / n, "top1_agreement": agree / n, "ppl": math.exp(nll_a / n), "ppl_baseline": math.exp(nll_b / n), "n_tokens": n,
             "kl_support": f"top-{VLLM_LOGPROBS} logprobs per position + one bucket for the rest (a lower bound of the full KL)"}
+
+
+def _import_lm_eval() -> None:
+    """Import lm-eval's evaluator before any model or engine loads, so that a missing dependency fails the
+    stage in seconds, not after a ~90 s engine start (on the H200 `datasets` was missing, 2026-11-30)."""
+    try:
+        import lm_eval.evaluator  # noqa: F401
+    except ImportError as e:
+        raise StageError(
+            f"lm-eval cannot be imported in this stage's environment ({sys.executable}): {e}. Install what it names "
+            "there (scripts/setup_envs.sh rebuilds the environments from their locks; on a GPU host add it to scripts/gpu/extra.txt)"
+        ) from None
 
 
 def _versions(backend: str) -> dict[str, str | None]:
