@@ -18,7 +18,7 @@
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 #
 # The device calls for issue #7 (2 x H200; 30 device-minutes a session; a machine is held 30 min at most):
-#   here:  rm -rf .gpu/qp && mkdir .gpu/qp && git archive HEAD | tar -x -C .gpu/qp && git rev-parse HEAD > .gpu/qp/.git_commit
+#   here:  scripts/gpu_bundle.sh (builds .gpu/: the wheel bundles, tokenizer, tiny models, a git archive of HEAD)
 #   calls 1-6 carry .gpu/vllm/partN alone:  mkdir -p /tmp/w/vllm && cp -r .gpu/vllm/partN/. /tmp/w/vllm/
 #   call 7 carries part7, llmc, extra, tok, tiny and qp: copy them to /tmp/w/{vllm,llmc,extra}, qp to
 #          /tmp/qp/src, then there `QP_GPU_FILES=$REPO/.gpu bash scripts/h200_run.sh install && bash scripts/h200_run.sh pipeline`
