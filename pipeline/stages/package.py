@@ -95,7 +95,7 @@ def run(recipe, src: Path, out: Path, artifact: str, merged: Path, evaluation: P
         "resharded": weights["resharded"],
         "max_shard_bytes": max_shard,
         "largest_shard_bytes": weights["largest_shard_bytes"],
-        "hardlinked_shards": weights.get("hardlinked_shards", 0),
+        "hardlinked_shards": weights["hardlinked_shards"],
         "license": license_,
         "license_source": license_source,
         "chat_template": has_template,
@@ -208,7 +208,8 @@ def _reshard(src: Path, out: Path, headers: dict, max_shard: int) -> dict:
         del tensors
     if plan.is_sharded:
         _write_index(out, plan.tensor_to_filename, plan.metadata["total_size"])
-    return {"resharded": True, "shards": len(plan.filename_to_tensors), "files": sorted(plan.filename_to_tensors), "largest_shard_bytes": largest}
+    return {"resharded": True, "shards": len(plan.filename_to_tensors), "files": sorted(plan.filename_to_tensors), "largest_shard_bytes": largest,
+            "hardlinked_shards": 0}
 
 
 def _write_index(out: Path, weight_map: dict, total_size: int) -> None:
