@@ -111,6 +111,9 @@ def artifact_bytes(a, m: dict, b: int) -> int:
 
 def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int | None = None) -> dict[str, dict]:
     """Per step id: {ram_bytes, gpu_bytes, disk_cache_bytes, disk_output_bytes, terms}; {} when the model is unknown."""
+    from .stages.package import parse_size
+    from .stages.quantize import SHARD_SIZE
+
     m = model_shape(base_dir)
     if m is None:
         return {}
@@ -170,7 +173,10 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
         elif s.kind == "package":
             size = artifact_bytes(a, m, b)
             terms = {"weights": size}
-            disk_cache = disk_out = size
+            disk_out = size  # the published copy
+            # In the cache the shards are hard links to the quantize entry's (5 GB shards); a smaller
+            # package.max_shard_size re-shards them into new files.
+            disk_cache = size if parse_size(recipe.package.max_shard_size) < parse_size(SHARD_SIZE) else 0
         terms["runtime"] = RUNTIME_BYTES.get(s.env, RUNTIME_BYTES["quantize"])
         out[s.id] = {
             "ram_bytes": sum(terms.values()), "gpu_bytes": sum(v for k, v in gpu_terms.items() if not k.startswith("_")) if gpu_terms else None,

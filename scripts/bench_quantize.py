@@ -3,7 +3,7 @@
 
 Runs, alternately and `--repeats` times each, (a) the stage function `quantpipe.stages.quantize.run`
 and (b) what one would write by hand with the same arguments: load the model, `oneshot(**kwargs)`
-with the kwargs the stage builds (`oneshot_kwargs`), `save_pretrained(save_compressed=True)`. The
+with the kwargs the stage builds (`oneshot_kwargs`), `save_pretrained(save_compressed=True, max_shard_size=...)`. The
 stage's timer covers everything it does (reading and tokenizing calibration data, copying tokenizer
 files, writing provenance, sizing directories); the bare one gets its calibration set ready-made.
 Prints the best wall and CPU time of each, their ratios (target <= 1.05) and whether both wrote the
@@ -100,7 +100,7 @@ def main() -> int:
         guard = quantize.cpu_safe_awq() if a.method == "awq" else contextlib.nullcontext()
         with guard:
             oneshot(**kwargs)
-        model.save_pretrained(out, save_compressed=True)
+        model.save_pretrained(out, save_compressed=True, max_shard_size=quantize.SHARD_SIZE)
         return time.perf_counter() - t, time.process_time() - c
 
     wall: dict[str, list[float]] = {"stage": [], "bare": []}

@@ -11,8 +11,8 @@
 #                                               (QP_CONCURRENCY), to set beside the benchmark stage's figures
 #   scripts/h200_run.sh pipeline                issue #7 on a 2-GPU host, detached (it outlives the call):
 #                                               the 8B recipe split by artifact over the GPUs, the tiny
-#                                               model's validation beside it, the bare side-by-side, then
-#                                               the whole recipe once more (packages the rest) and a re-run
+#                                               model's validation beside it, the quantize stage against a
+#                                               bare oneshot, then the whole recipe once more and a re-run
 #   scripts/h200_run.sh collect SECONDS         wait for `pipeline` (at most SECONDS), print its progress and
 #                                               put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -87,37 +87,37 @@ pipeline)
   echo "pipeline started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
   ;;
 _drive)
-  # Timeline measured on 2026-11-30 (2 x H200): A 15.3 min, B 17.4 min without the three artifact
-  # evaluations that failed there (~45 s each), then the side-by-side ~3.5 min; ~22 min in all.
+  # Timeline measured on 2026-11-30, fourth session (2 x H200): A 15.3 min, B 17.4 min without the
+  # three artifact evaluations that failed there (~45 s each). This one: ~18 min for A and B, ~4 min
+  # for the quantize-overhead pair on GPU 0 meanwhile B ends, ~2 min for the whole recipe and its re-run.
   source /tmp/qp/env.sh
   R=recipes/h200-llama3-8b-full.yaml R1=recipes/h200-llama3-8b-gpu1.yaml L=/tmp/qp/log
   sed "s#^output_dir: .*#output_dir: /tmp/qp/out/h200-llama3-8b-gpu1#" $R > $R1  # a second output dir, the same cache
   stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
   stamp "start (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-  # GPU 0: merge, the baseline, fp8 and awq. GPU 1: quantize int8, gptq and awq meanwhile, then evaluate
-  # and benchmark int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations
-  # (its engine takes 0.25 of the GPU, the 8B quantizations at most 3.7 GiB).
-  ( CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?" ) &
+  # GPU 0: merge, the baseline, fp8 and awq, then the quantize stage against a bare oneshot (GPTQ, the
+  # recipe's calibration settings). GPU 1: quantize int8, gptq and awq meanwhile, then evaluate, benchmark
+  # and package int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations (its
+  # engine takes 0.25 of the GPU, the 8B quantizations at most 3.7 GiB). The tiny run's engines are the
+  # host's first and run without FlashInfer's sampler: the control for the first engine's ~90 s warm-up.
+  ( export CUDA_VISIBLE_DEVICES=0
+    python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?"
+    python3 scripts/bench_quantize.py --model /tmp/qp/models/llama3-8b/base --calibration calibration/tiny-mix.jsonl \
+      --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup > $L/bq.log 2>&1; stamp "bench_quantize rc=$?" ) &
   a=$!
   ( export CUDA_VISIBLE_DEVICES=1
-    python3 -m quantpipe run --stage-timeout 8 recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
+    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m quantpipe run --stage-timeout 8 recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
     t=$!
     python3 -m quantpipe run --stage-timeout 8 $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
     wait $t; stamp "T rc=$?"  # B2's engines take 0.9 of GPU 1: the tiny engines must be gone first
-    python3 -m quantpipe run --stage-timeout 8 $R1 --stages evaluate,benchmark --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
+    python3 -m quantpipe run --stage-timeout 8 $R1 --stages evaluate,benchmark,package --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
   b=$!
   wait $a $b
-  # The bare side-by-side on the artifact the benchmark stage served (the quantize stage's cache entry),
-  # with the stage's workload arguments; the whole recipe then packages int8 and gptq, and runs once more.
-  m=$(python3 -c "import json,glob; print(json.load(open(sorted(glob.glob('/tmp/qp/out/h200-llama3-8b-full/runs/*/run.json'))[0]))['stages']['quantize:fp8']['out'])")
-  ( CUDA_VISIBLE_DEVICES=1 QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve "$m" fp8 \
-      --dataset-name random --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --random-prefix-len 0 \
-      --num-prompts 64 --request-rate inf --ignore-eos --temperature 0 --seed 0 --percentile-metrics ttft,tpot,itl,e2el \
-      --metric-percentiles 50,90,99 --goodput ttft:500 tpot:50 > $L/bare.log 2>&1; stamp "bare rc=$?" ) &
-  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe, packages the rest) rc=$?"
+  # The whole recipe once more: every stage is cached now but int8's and gptq's publishing into this
+  # output directory; one run.json and report for the whole recipe. Then the unchanged re-run.
+  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe) rc=$?"
   CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
-  wait
-  ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* 2>&1; df -h /tmp
+  ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* /tmp/qp/* 2>&1; df -h /tmp
   stamp done; touch $L/done
   ;;
 collect)

@@ -84,6 +84,11 @@ def test_method_overheads_scale_with_what_they_depend_on(tmp_path):
     # a 4-bit artifact is smaller on disk than an 8-bit one, which is smaller than the baseline
     baseline = preflight.artifact_bytes(None, preflight.model_shape(m), 2)
     assert est["package:gptq"]["disk_output_bytes"] < est["package:fp8"]["disk_output_bytes"] < baseline
+    # in the cache a package's shards are hard links to the quantize entry's, unless it re-shards them smaller
+    assert est["package:fp8"]["disk_cache_bytes"] == 0
+    r4 = recipe(tmp_path, m, package={"max_shard_size": "2GB"})
+    est4 = preflight.estimate(r4, build_steps(r4, str(m)), str(m), gpu=None)
+    assert est4["package:fp8"]["disk_cache_bytes"] == est4["package:fp8"]["disk_output_bytes"] > 0
 
 
 def test_gpu_benchmark_reserves_its_share_and_needs_room_for_one_sequence(tmp_path):

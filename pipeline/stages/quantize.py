@@ -40,6 +40,7 @@ SIDE_FILES = (
     "generation_config.json",
 )
 LEGACY_BACKENDS = {"autoawq", "gptqmodel"}
+SHARD_SIZE = "5GB"  # safetensors shard size of a quantized checkpoint (the merge stage writes the same)
 
 
 def artifact_config(recipe: Recipe, name: str):
@@ -250,7 +251,9 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
             raise StageError(f"artifact {a.name!r}: {e} Pick a group_size that divides these layers' input size, or add them to `ignore`.") from None
         raise
     t_oneshot = time.perf_counter()
-    model.save_pretrained(out, save_compressed=True)
+    # 5 GB shards, as the merge stage writes (llm-compressor's default is 20 GB): the package stage then
+    # hard-links them instead of re-sharding an 8B model's single 9 GB file at its default 5GB.
+    model.save_pretrained(out, save_compressed=True, max_shard_size=SHARD_SIZE)
     copy_side_files(src, out)
     t_save = time.perf_counter()
 
