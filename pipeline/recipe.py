@@ -315,6 +315,7 @@ class Package(Strict):
 
 class Recipe(Strict):
     name: str = Field(description="Name of this build; used in run ids and reports.")
+    notes: str | None = Field(None, min_length=1, max_length=2000, description="Shown at the top of the report and of each package's model card: what a reader must know about this build (e.g. that the weights are random, so accuracy figures mean nothing).")
     output_dir: str = Field(description="Where runs, packages and reports go (relative to the recipe file).")
     cache_dir: str | None = Field(None, description="Stage cache (default: $QUANTPIPE_CACHE or ~/.cache/quantpipe).")
     base: Base

@@ -186,6 +186,7 @@ def summarize(record: dict) -> dict:
     concurrencies = sorted({int(c) for r in rows for c in r["serve"] if c not in ("None",)})
     return {
         "run_id": record.get("run_id"), "recipe_name": record.get("recipe_name"), "recipe_hash": record.get("recipe_hash"),
+        "notes": _s(recipe.get("notes")),
         "status": record.get("status"), "started_at": record.get("started_at"), "finished_at": record.get("finished_at"),
         "wall_s": record.get("wall_s"), "slo": slo, "workload": workload, "concurrency": concurrencies,
         "tasks": list(dict.fromkeys((a["task"], a["metric"]) for r in rows for a in r["accuracy"])),

@@ -105,7 +105,7 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
                 refs |= {"evaluation": f"evaluate:{a.name}", "baseline_eval": "evaluate:baseline"}
             if r.benchmark.enabled:
                 refs |= {"benchmark": f"benchmark:{a.name}", "baseline_benchmark": "benchmark:baseline"}
-            summary = r.model_dump(include={"name", "base", "adapters", "calibration", "evaluation", "benchmark", "package"})
+            summary = r.model_dump(include={"name", "notes", "base", "adapters", "calibration", "evaluation", "benchmark", "package"})
             steps.append(Step(f"package:{a.name}", "package", a.name, q, refs=refs, values={"artifact": a.name}, cfg={"recipe": summary, "artifact": acfg}))
     if evaluate:
         from .stages.evaluate import lm_eval_backend

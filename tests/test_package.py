@@ -39,9 +39,9 @@ BENCH = {
 }
 
 
-def _recipe(tmp: Path, base: Path, **package) -> Recipe:
+def _recipe(tmp: Path, base: Path, notes: str | None = None, **package) -> Recipe:
     return Recipe.model_validate({
-        "name": "tinypkg", "output_dir": str(tmp / "out"), "base": {"model": str(base)},
+        "name": "tinypkg", "notes": notes, "output_dir": str(tmp / "out"), "base": {"model": str(base)},
         "artifacts": [{"name": ART, "method": "rtn", "bits": 4, "group_size": 128}],
         "benchmark": {"engine": {"kv_cache_memory_bytes": 268435456}, "slo": {"ttft_p99_ms": 500},
                       "variants": [{"name": "eager", "engine": {"enforce_eager": True, "max_num_seqs": 8}}]},
@@ -112,11 +112,11 @@ def model(tmp_path_factory):
     return {"root": root, "base": base, "merged": merged, "quant": quant, "refs": refs, "cache": cache}
 
 
-def _package(model, tmp: Path, name: str, **package) -> tuple[Path, dict]:
+def _package(model, tmp: Path, name: str, notes: str | None = None, **package) -> tuple[Path, dict]:
     out = model["cache"] / "stages" / "package" / ART / f".{name}.tmp-1-2" / "out"
     shutil.rmtree(out.parent, ignore_errors=True)
     out.mkdir(parents=True)
-    metrics = run(_recipe(tmp, model["base"], **package), model["quant"], out, artifact=ART, merged=model["merged"], **model["refs"])
+    metrics = run(_recipe(tmp, model["base"], notes, **package), model["quant"], out, artifact=ART, merged=model["merged"], **model["refs"])
     return out, metrics
 
 
@@ -184,8 +184,10 @@ def test_model_card_front_matter_and_body(pkg):
 def test_license_from_recipe_overrides_base(model, tmp_path):
     from huggingface_hub import ModelCard
 
-    out, m = _package(model, tmp_path, "l" * 32, license="mit")
-    assert m["license"] == "mit" and ModelCard.load(out / "README.md").data.license == "mit"
+    out, m = _package(model, tmp_path, "l" * 32, notes="Random weights:\naccuracy means nothing.", license="mit")
+    card = ModelCard.load(out / "README.md")
+    assert m["license"] == "mit" and card.data.license == "mit"
+    assert "> **Note:** Random weights: accuracy means nothing." in card.text  # the recipe's notes, one line
 
 
 @pytest.mark.slow

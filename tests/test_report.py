@@ -234,6 +234,18 @@ def test_report_without_benchmark_or_evaluation(tmp_path):
     assert all(p.exists() for p in paths)
 
 
+def test_recipe_notes_head_the_report(tmp_path):
+    record = make_record(tweak=lambda r: r["recipe"].update(notes="Random weights:\n<b>accuracy</b> is noise."))
+    write_report(record, tmp_path, tmp_path)
+    assert "> **Note (from the recipe):** Random weights: <b>accuracy</b> is noise." in (tmp_path / "report.md").read_text()
+    html = (tmp_path / "report.html").read_text()
+    assert "&lt;b&gt;accuracy&lt;/b&gt; is noise." in html and "<b>accuracy</b>" not in html  # escaped
+    assert json.loads((tmp_path / "report.json").read_text())["notes"].startswith("Random weights")
+    without = make_record()
+    write_report(without, tmp_path / "plain", tmp_path / "plain")
+    assert "Note (from the recipe)" not in (tmp_path / "plain" / "report.md").read_text()
+
+
 def _chromium(args: list[str], tmp: Path, timeout=90) -> subprocess.CompletedProcess:
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={tmp / 'profile'}",

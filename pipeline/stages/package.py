@@ -304,6 +304,7 @@ def card_context(recipe, artifact: str, config: dict, stages: dict, weights: dic
     gates = _gates(recipe, ev)
     return {
         "name": f"{recipe.name}-{artifact}",
+        "notes": recipe.notes,
         "artifact": artifact,
         "method": getattr(art, "method", q.get("method")),
         "scheme": q.get("scheme"),
