@@ -9,8 +9,8 @@
 #   scripts/h200_run.sh bench-serve ARTIFACT_DIR OUTNAME [vllm bench serve args...]
 #                                               a bare `vllm serve` + `vllm bench serve` per concurrency
 #                                               (QP_CONCURRENCY), to set beside the benchmark stage's figures
-#   scripts/h200_run.sh pipeline                issue #7 on a 2-GPU host, detached (it outlives the call):
-#                                               the 8B recipe split by artifact over the GPUs, the tiny
+#   scripts/h200_run.sh pipeline [SHAPE]        issue #7 on a 2-GPU host, detached (it outlives the call):
+#                                               the shape's recipe split by artifact over the GPUs, the tiny
 #                                               model's validation beside it, the quantize stage against a
 #                                               bare oneshot, then the whole recipe once more and a re-run
 #   scripts/h200_run.sh collect SECONDS         wait for `pipeline` (at most SECONDS), print its progress and
@@ -20,9 +20,12 @@
 # The device calls for issue #7 (2 x H200; 30 device-minutes a session; a machine is held 30 min at most):
 #   here:  scripts/gpu_bundle.sh (builds .gpu/: the wheel bundles, tokenizer, tiny models, a git archive of HEAD)
 #   calls 1-6 carry .gpu/vllm/partN alone:  mkdir -p /tmp/w/vllm && cp -r .gpu/vllm/partN/. /tmp/w/vllm/
-#   call 7 carries part7, llmc, extra, tok, tiny and qp: copy them to /tmp/w/{vllm,llmc,extra}, qp to
-#          /tmp/qp/src, then there `QP_GPU_FILES=$REPO/.gpu bash scripts/h200_run.sh install && bash scripts/h200_run.sh pipeline`
-#   then `bash scripts/h200_run.sh collect 540` (from /tmp/qp/src) back to back until it says done.
+#   call 7 carries part7, llmc, extra, tok, tiny and qp: copy vllm/part7/. and llmc/part1/. and extra/. to
+#          /tmp/w/{vllm,llmc,extra}, qp/. to /tmp/qp/src, then there (from /tmp/qp/src)
+#          `QP_GPU_FILES=$REPO/.gpu bash scripts/h200_run.sh install SHAPE && bash scripts/h200_run.sh pipeline SHAPE`
+#   then `bash scripts/h200_run.sh collect 540` (from /tmp/qp/src) back to back until it says done: the host
+#   forgets /tmp 30 s after a call, and what `pipeline` wrote with it.
+#   Fifth session: the 7 calls took 2.5 min (the machine start included), the llama3-8b pipeline 22.5 min.
 set -uo pipefail
 files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
 cd "$(dirname "$0")/.."
@@ -83,18 +86,24 @@ bench-serve)
   ;;
 pipeline)
   mkdir -p /tmp/qp/log && rm -f /tmp/qp/log/done
-  setsid nohup bash scripts/h200_run.sh _drive > /tmp/qp/log/drive.log 2>&1 < /dev/null &
+  setsid nohup bash scripts/h200_run.sh _drive "${1:-llama3-8b}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
   echo "pipeline started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
   ;;
 _drive)
-  # Timeline measured on 2026-11-30, fourth session (2 x H200): A 15.3 min, B 17.4 min without the
-  # three artifact evaluations that failed there (~45 s each). This one: ~18 min for A and B, ~4 min
-  # for the quantize-overhead pair on GPU 0 meanwhile B ends, ~2 min for the whole recipe and its re-run.
+  # Measured on 2026-11-30, fifth session (2 x H200, llama3-8b; docs/BENCHMARKS.md): A and B both ended
+  # 19.7 min after the start, the quantize-overhead pair took 2.6 min more, the whole recipe 7 s and its
+  # re-run 2 s. The tiny model's validation and the quantize-overhead pair run with llama3-8b only.
+  shape=$1
+  case $shape in
+    llama3-8b) R=recipes/h200-llama3-8b-full.yaml ;;
+    qwen25-7b) R=recipes/h200-qwen25-7b.yaml ;;
+    *) echo "unknown shape $shape (llama3-8b, qwen25-7b)" >&2; exit 2 ;;
+  esac
   source /tmp/qp/env.sh
-  R=recipes/h200-llama3-8b-full.yaml R1=recipes/h200-llama3-8b-gpu1.yaml L=/tmp/qp/log
-  sed "s#^output_dir: .*#output_dir: /tmp/qp/out/h200-llama3-8b-gpu1#" $R > $R1  # a second output dir, the same cache
+  R1=${R%.yaml}-gpu1.yaml L=/tmp/qp/log
+  sed "s#^output_dir: \(.*\)#output_dir: \1-gpu1#" $R > $R1  # a second output dir, the same cache
   stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
-  stamp "start (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  stamp "start $shape (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   # GPU 0: merge, the baseline, fp8 and awq, then the quantize stage against a bare oneshot (GPTQ, the
   # recipe's calibration settings). GPU 1: quantize int8, gptq and awq meanwhile, then evaluate, benchmark
   # and package int8 and gptq; the tiny model's validation shares GPU 1 during those quantizations (its
@@ -102,14 +111,18 @@ _drive)
   # host's first and run without FlashInfer's sampler: the control for the first engine's ~90 s warm-up.
   ( export CUDA_VISIBLE_DEVICES=0
     python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?"
-    python3 scripts/bench_quantize.py --model /tmp/qp/models/llama3-8b/base --calibration calibration/tiny-mix.jsonl \
+    [ $shape = llama3-8b ] || exit 0
+    python3 scripts/bench_quantize.py --model /tmp/qp/models/$shape/base --calibration calibration/tiny-mix.jsonl \
       --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup > $L/bq.log 2>&1; stamp "bench_quantize rc=$?" ) &
   a=$!
   ( export CUDA_VISIBLE_DEVICES=1
-    VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m quantpipe run --stage-timeout 8 recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
-    t=$!
+    t=
+    if [ $shape = llama3-8b ]; then
+      VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m quantpipe run --stage-timeout 8 recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
+      t=$!
+    fi
     python3 -m quantpipe run --stage-timeout 8 $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
-    wait $t; stamp "T rc=$?"  # B2's engines take 0.9 of GPU 1: the tiny engines must be gone first
+    [ -z "$t" ] || { wait $t; stamp "T rc=$?"; }  # B2's engines take 0.9 of GPU 1: the tiny engines must be gone first
     python3 -m quantpipe run --stage-timeout 8 $R1 --stages evaluate,benchmark,package --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
   b=$!
   wait $a $b
