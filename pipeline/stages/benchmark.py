@@ -2,9 +2,8 @@
 
 For each engine variant (the recipe's `benchmark.engine`, then each of `benchmark.variants` laid over
 it) the stage starts the real OpenAI server (`vllm serve`, pipeline/server.py) on 127.0.0.1, warms
-it up and runs vLLM's own serving benchmark (`vllm bench serve`, its CLI, against that server; each run
-is a child forked from one client process that imported the CLI once: BenchClient) for every workload x
-concurrency of the recipe:
+it up and runs vLLM's own serving benchmark (`vllm bench serve`, its CLI as a subprocess against that
+server) for every workload x concurrency of the recipe:
 random fixed-length prompts, the user's validation prompts with their lengths, and a shared-prefix
 workload (one long common system prompt) whose prefix-cache hit rate shows what prefix caching buys.
 The prefix cache is reset before every run, so runs do not feed each other's caches. Between runs
@@ -36,7 +35,6 @@ out/results.json (the returned metrics are the same document):
                             what quantpipe chose: dtype, kv_cache_memory_bytes on CPU...)
     engine_notes            sentences on what quantpipe chose and why
     server_start_s          seconds from `vllm serve` to a healthy /health (default variant)
-    client                  how `vllm bench serve` ran (a forked child per run, see BenchClient)
     results                 one row per variant x workload x concurrency:
         variant, workload, kind, concurrency, num_prompts, completed, failed, duration_s,
         request_throughput (req/s), output_throughput, total_token_throughput (tok/s),
@@ -361,100 +359,29 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
         try:
             return p.wait()
         except BaseException:
-            _end(p)
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
             raise
 
 
-def _end(p) -> None:
-    import subprocess
+def vllm_bench_serve(args: list[str], log_path: Path) -> None:
+    """Run `vllm bench serve ARGS`: vLLM's own CLI, in a fresh process, output in `log_path`.
 
-    p.terminate()
-    try:
-        p.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
+    A fresh process per run costs 10-20 s of imports on 2 cores (the largest item of a CPU demo's
+    benchmark time, after server starts) but measures what the CLI measures. Cheaper ways measured
+    apart from it on this 2-core machine: vLLM's benchmark function inside this stage's process 5-7 %
+    lower throughput; one client process importing it once, with a run per call, 15-26 % higher over
+    9 paired rounds (and a forked child per run was not distinguishable within the noise of the day);
+    the agreement test (`test_figures_agree_with_vllm_bench_serve_within_5_percent`) holds this choice."""
+    import sys
 
-
-def _tail(path: Path, n: int = 15) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.exists() else ""
-
-
-class BenchClient:
-    """`vllm bench serve ARGS`, vLLM's own CLI, once per `run`: through pipeline/bench_client.py, one process
-    per stage that imports the CLI once and forks a child per run, which calls the CLI's `main()` with the
-    run's arguments: what a fresh `python -m vllm.entrypoints.cli.main bench serve ARGS` does after its
-    10-20 s of imports (on 2 cores; ~20 s on the H200 host), without them. The run's output goes to its log,
-    the client's own to `log_path`. Measured apart from it on the 2-core CPU machine: vLLM's benchmark
-    function called inside the stage's process read 5-7 % lower throughput, and one process calling it per
-    run without forking 15-26 % higher; a forked child was not distinguishable from a fresh process. The
-    agreement test (`test_figures_agree_with_vllm_bench_serve_within_5_percent`, against fresh CLI
-    processes) holds this choice. Use as a context manager; the process starts at the first run."""
-
-    def __init__(self, log_path: Path):
-        self.log_path = Path(log_path)
-        self.proc = None
-        self._log = None
-
-    def __enter__(self) -> "BenchClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close(abort=exc[0] is not None)
-
-    def _start(self) -> None:
-        import subprocess
-        import sys
-
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "a")
-        script = Path(__file__).resolve().parents[1] / "bench_client.py"
-        self.proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, preexec_fn=_set_pdeathsig)
-        self._reply()  # {"ready": true}: vLLM's CLI is imported
-
-    def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            rc = self.proc.wait()
-            self._log.flush()
-            raise RuntimeError(f"the vllm bench serve client exited (code {rc}); last lines of {self.log_path}:\n{_tail(self.log_path)}")
-        return json.loads(line)
-
-    def run(self, args: list[str], log_path: Path) -> None:
-        import sys
-
-        try:
-            if self.proc is None:
-                self._start()
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_path.write_text(f"$ {sys.executable} -m vllm.entrypoints.cli.main bench serve {' '.join(args)}\n"
-                                f"(run in a child forked from quantpipe's bench client, pid {self.proc.pid}, after its imports)\n")
-            self.proc.stdin.write(json.dumps({"args": args, "log": str(log_path)}) + "\n")
-            self.proc.stdin.flush()
-            rc = self._reply()["rc"]
-        except BaseException:
-            self.close(abort=True)
-            raise
-        if rc != 0:
-            raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{_tail(log_path)}")
-
-    def close(self, abort: bool = False) -> None:
-        import subprocess
-
-        if self.proc is not None:
-            if abort:
-                _end(self.proc)
-            else:
-                try:
-                    self.proc.stdin.close()
-                    self.proc.wait(timeout=30)
-                except (OSError, subprocess.TimeoutExpired):
-                    _end(self.proc)
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    rc = run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
 
 
 def row_from_vllm(raw: dict) -> dict:
@@ -553,12 +480,8 @@ def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, 
 
 
 def measure(srv: Server, recipe: Recipe, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
-            out: Path, lora_names: list[str] | None = None, client: BenchClient | None = None) -> tuple[list[dict], dict]:
-    """Every workload x concurrency against a running server; returns (rows, totals over the runs).
-    `client` runs `vllm bench serve` (the stage shares one across its servers); by default one of its own."""
-    if client is None:
-        with BenchClient(out / "logs" / f"bench-client-{variant}.log") as own:
-            return measure(srv, recipe, variant, workloads, data, tokenizer, out, lora_names, own)
+            out: Path, lora_names: list[str] | None = None) -> tuple[list[dict], dict]:
+    """Every workload x concurrency against a running server; returns (rows, totals over the runs)."""
     cfg = recipe.benchmark
     goodput = slo_goodput_args(recipe)
     rows = []
@@ -576,7 +499,7 @@ def measure(srv: Server, recipe: Recipe, variant: str, workloads: list[Workload]
             before = _counters(srv.metrics())
             log_at = len(srv.log_text())
             log.info("benchmark %s: workload %s, concurrency %d", variant, w.name, c)
-            client.run(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
+            vllm_bench_serve(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
             time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
             srv.check_alive()
             stats = engine_stats(srv.log_text()[log_at:])
@@ -643,7 +566,7 @@ def _loaded_weights_gib(log_text: str) -> float | None:
 
 
 def serve_variant(name: str, model: Path, engine: dict, recipe: Recipe, plat: dict, workloads, data, tokenizer: str,
-                  out: Path, vocab: int, client: BenchClient, extra_args: list[str] = (), lora_names: list[str] | None = None) -> dict:
+                  out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None) -> dict:
     """Start a server with `engine`, warm it up, measure; never leaves it running."""
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=_served_name(recipe),
@@ -654,7 +577,7 @@ def serve_variant(name: str, model: Path, engine: dict, recipe: Recipe, plat: di
             log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
             warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, recipe.benchmark.seed,
                     engine.get("max_model_len"), batch=max(recipe.benchmark.concurrency) if lora_names else 1)
-            rows, totals = measure(srv, recipe, name, workloads, data, tokenizer, out, lora_names, client)
+            rows, totals = measure(srv, recipe, name, workloads, data, tokenizer, out, lora_names)
             info["rows"] = rows
             info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
@@ -806,7 +729,6 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
         "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None,
         "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "lora": None, "workloads": [],
         "versions": _versions(), "hardware": hardware(),
-        "client": "vllm bench serve: one child per run, forked from a process that imported vLLM's CLI once (pipeline/bench_client.py)",
     }
 
     def finish() -> dict:
@@ -859,37 +781,36 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
     if artifact == "baseline" and base_dir and recipe.adapters and cfg.lora:
         lora_flags, lora_names, lora_notes = _lora_setup(recipe)
 
-    with BenchClient(out / "logs" / "bench-client.log") as client:  # one `vllm bench serve` import for all the servers
-        failed_variants = []
-        for vname, e in variants:
-            engine, notes = effective_engine(e, recipe, src, plat, need)
-            info = serve_variant(vname, src, engine, recipe, plat, workloads, data, str(src), out, vocab, client)
-            info["engine_notes"] = notes
-            result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
-            result["results"] += info["rows"]
-            if vname == "default":
-                result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
-                if not info["servable"]:
-                    result.update(servable=False, reason=info["reason"], status_note=info["reason"])
-                    return finish()
-                result["memory"] = info["memory"]
-                if cfg.offline:
-                    result["offline"] = offline(src, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
-            elif not info["servable"]:
-                failed_variants.append(vname)
+    failed_variants = []
+    for vname, e in variants:
+        engine, notes = effective_engine(e, recipe, src, plat, need)
+        info = serve_variant(vname, src, engine, recipe, plat, workloads, data, str(src), out, vocab)
+        info["engine_notes"] = notes
+        result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
+        result["results"] += info["rows"]
+        if vname == "default":
+            result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
+            if not info["servable"]:
+                result.update(servable=False, reason=info["reason"], status_note=info["reason"])
+                return finish()
+            result["memory"] = info["memory"]
+            if cfg.offline:
+                result["offline"] = offline(src, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
+        elif not info["servable"]:
+            failed_variants.append(vname)
 
-        if lora_flags:
-            engine, notes = effective_engine(cfg.engine, recipe, Path(base_dir), plat, need)
-            info = serve_variant("lora", Path(base_dir), engine, recipe, plat, workloads, data, str(src), out, vocab, client,
-                                 extra_args=lora_flags, lora_names=lora_names)
-            merged_rows = [r for r in result["results"] if r["variant"] == "default"]
-            result["lora"] = {
-                "servable": info["servable"], "reason": info["reason"], "adapters": {n: a.path for n, a in zip(lora_names, recipe.adapters)},
-                "engine": {**engine, "lora_flags": lora_flags}, "server_start_s": info.get("server_start_s"), "memory": info.get("memory"),
-                "port": info.get("port"),
-                "results": info["rows"], "comparison": compare_lora(info["rows"], merged_rows), "notes": lora_notes + notes,
-                "log": info["log"],
-            }
+    if lora_flags:
+        engine, notes = effective_engine(cfg.engine, recipe, Path(base_dir), plat, need)
+        info = serve_variant("lora", Path(base_dir), engine, recipe, plat, workloads, data, str(src), out, vocab,
+                             extra_args=lora_flags, lora_names=lora_names)
+        merged_rows = [r for r in result["results"] if r["variant"] == "default"]
+        result["lora"] = {
+            "servable": info["servable"], "reason": info["reason"], "adapters": {n: a.path for n, a in zip(lora_names, recipe.adapters)},
+            "engine": {**engine, "lora_flags": lora_flags}, "server_start_s": info.get("server_start_s"), "memory": info.get("memory"),
+            "port": info.get("port"),
+            "results": info["rows"], "comparison": compare_lora(info["rows"], merged_rows), "notes": lora_notes + notes,
+            "log": info["log"],
+        }
 
     result["best"] = pick_best(result["results"], recipe)
     if failed_variants:
