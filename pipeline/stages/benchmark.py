@@ -375,8 +375,9 @@ def vllm_bench_serve(args: list[str], log_path: Path) -> None:
     apart from it on this 2-core machine: vLLM's benchmark function inside this stage's process 5-7 %
     lower throughput; one client process importing it once, with a run per call, 15-26 % higher over
     9 paired rounds; a child forked per run from one process that imported the CLI once (tried on
-    2026-11-30, fifth session) read 3.7-8.7 % lower throughput and 5-9 % higher TPOT than fresh processes in
-    three of four agreement runs of 9 rounds, also with gc.freeze() before forking, so it was taken back.
+    2026-11-30, fifth session) read 3.7-8.7 % lower throughput than fresh processes in three of four
+    agreement runs of 9 rounds (also with gc.freeze() before forking), on a day when this fresh-process
+    code read -3.4 % in the same test and direct runs alone differed by 6-13 %: not shown equal, so not used.
     The agreement test (`test_figures_agree_with_vllm_bench_serve_within_5_percent`) holds this choice."""
     import sys
 
