@@ -83,6 +83,8 @@ BAD = {
     "quantization flag": (lambda d: d.update(benchmark={"engine": {"extra_args": ["--quantization=awq"]}}), "--quantization"),
     "gpu share for hf": (lambda d: d.update(evaluation={"lm_eval": {"tasks": ["t"], "backend": "hf", "gpu_memory_utilization": 0.3}}),
                          "gpu_memory_utilization applies to the vllm backend only"),
+    "empty notes": (lambda d: d.update(notes=""), "notes: String should have at least 1 character"),
+    "notes too long": (lambda d: d.update(notes="x" * 2001), "notes: String should have at most 2000 characters"),
 }
 
 
