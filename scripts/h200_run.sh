@@ -12,7 +12,9 @@
 #   scripts/h200_run.sh pipeline [SHAPE]        issue #7 on a 2-GPU host, detached (it outlives the call):
 #                                               the shape's recipe split by artifact over the GPUs, the tiny
 #                                               model's validation beside it, the quantize stage against a
-#                                               bare oneshot, then the whole recipe once more and a re-run
+#                                               bare oneshot (those two with llama3-8b only; with qwen25-7b,
+#                                               the published fp8 package verified and served bare instead),
+#                                               then the whole recipe once more and a re-run
 #   scripts/h200_run.sh collect SECONDS         wait for `pipeline` (at most SECONDS), print its progress and
 #                                               put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -111,7 +113,17 @@ _drive)
   # host's first and run without FlashInfer's sampler: the control for the first engine's ~90 s warm-up.
   ( export CUDA_VISIBLE_DEVICES=0
     python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?"
-    [ $shape = llama3-8b ] || exit 0
+    if [ $shape != llama3-8b ]; then
+      # The published fp8 package as a user gets it: verified, then served by a bare `vllm serve` (the
+      # compile cache warm from A's benchmark of it: a nightly rebuild's server start) and measured by
+      # `vllm bench serve` with the recipe's workload, on the GPU A measured it on.
+      pkg=$(python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" $R)/packages/fp8
+      python3 -m quantpipe verify "$pkg" > $L/verify.log 2>&1; stamp "verify rc=$?"
+      QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve "$pkg" pkg-fp8 --dataset-name random \
+        --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --num-prompts 64 --request-rate inf \
+        --ignore-eos --temperature 0 --seed 0 > $L/bare.log 2>&1; stamp "bare bench-serve rc=$?"
+      exit 0
+    fi
     python3 scripts/bench_quantize.py --model /tmp/qp/models/$shape/base --calibration calibration/tiny-mix.jsonl \
       --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup > $L/bq.log 2>&1; stamp "bench_quantize rc=$?" ) &
   a=$!
@@ -136,7 +148,7 @@ _drive)
 collect)
   end=$(( t0 + ${1:-540} ))
   while [ ! -e /tmp/qp/log/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 15; done
-  for f in /tmp/qp/log/*.log; do echo "== $f"; grep -E "✓|x |FAILED|rc=|run |skipped|Error|error" "$f" | tail -n 40; done
+  for f in /tmp/qp/log/*.log; do echo "== $f"; grep -E "✓|x |FAILED|rc=|run |skipped|Error|error|up after" "$f" | tail -n 40; done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
   cd /tmp/qp && find log out cache -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.html' \
       -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \

@@ -28,6 +28,9 @@ SHAPES = {
     "llama-mini": dict(arch="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
                        num_key_value_heads=2, vocab_size=16384, rope_theta=500000.0, max_position_embeddings=2048,
                        rms_norm_eps=1e-5, tie_word_embeddings=False),
+    "qwen-mini": dict(arch="qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, vocab_size=16384, rope_theta=1000000.0, max_position_embeddings=2048,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False),
 }
 
 
