@@ -416,6 +416,41 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
     assert all(abs(v) <= 0.05 for v in diffs.values()), diffs
 
 
+ALL_FAIL = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import worker
+worker._bootstrap()
+from quantpipe.recipe import Recipe
+from quantpipe.server import Server
+from quantpipe.stages import StageError
+from quantpipe.stages.benchmark import measure
+cfg = json.loads(Path(sys.argv[2]).read_text())
+srv = Server.connect(cfg["port"], "no-such-model")  # the live server answers every request with 404
+try:
+    measure(srv, Recipe.model_validate(cfg["recipe"]), "default", list(Recipe.model_validate(cfg["recipe"]).benchmark.workloads), {}, cfg["tokenizer"], Path(cfg["out"]))
+except StageError as e:
+    print("STAGE_ERROR:", e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, tmp_path):
+    """vLLM's `vllm bench serve` exits 0 when every request failed; the stage must not report such a run's zeros."""
+    recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], concurrency=[2])
+    cfg = {"port": server.port, "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama), "out": str(tmp_path / "out")}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    (tmp_path / "all_fail.py").write_text(ALL_FAIL)
+    p = subprocess.run([str(_serve_python()), str(tmp_path / "all_fail.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
+                       env=_env(tmp_path), timeout=600, capture_output=True, text=True)
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    msg = p.stdout.strip().splitlines()[-1]
+    assert "completed none of the requests of workload 'fixed' at concurrency 2" in msg and "4 failed" in msg, msg
+    assert "bench-default-fixed-c2.log" in msg, msg
+
+
 # --- slow: the stage --------------------------------------------------------------------------
 
 

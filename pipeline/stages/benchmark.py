@@ -387,6 +387,16 @@ def vllm_bench_serve(args: list[str], log_path: Path) -> None:
         raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
 
 
+def require_completed(raw: dict, what: str, log_path: Path) -> None:
+    """`vllm bench serve` exits 0 even when every request failed (it warns "All requests failed"): a run
+    that completed nothing has no figures to report, so the stage stops there and says where to look."""
+    if raw.get("completed"):
+        return
+    errors = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln]
+    raise StageError(f"vllm bench serve completed none of the requests of {what}: {raw.get('failed')} failed"
+                     + (f" ({errors[-1][:300]})" if errors else "") + f"; the requests' errors are in {log_path}")
+
+
 def row_from_vllm(raw: dict) -> dict:
     """vLLM's result JSON -> quantpipe's result row (latencies in ms, p50/p90/p99)."""
     row = {
@@ -502,13 +512,15 @@ def measure(srv: Server, recipe: Recipe, variant: str, workloads: list[Workload]
             before = _counters(srv.metrics())
             log_at = len(srv.log_text())
             log.info("benchmark %s: workload %s, concurrency %d", variant, w.name, c)
-            vllm_bench_serve(args, out / "logs" / f"bench-{variant}-{w.name}-c{c}.log")
+            bench_log = out / "logs" / f"bench-{variant}-{w.name}-c{c}.log"
+            vllm_bench_serve(args, bench_log)
             time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
             srv.check_alive()
             stats = engine_stats(srv.log_text()[log_at:])
             after_m = srv.metrics()
             after = _counters(after_m)
             raw = json.loads((raw_dir / fname).read_text())
+            require_completed(raw, f"workload {w.name!r} at concurrency {c} (variant {variant!r})", bench_log)
             row = {"variant": variant, "workload": w.name, "kind": w.kind, "concurrency": c, "num_prompts": w.num_prompts, **row_from_vllm(raw)}
             row["goodput"] = raw.get("request_goodput") if goodput else None
             row["slo_met"] = slo_met(row, recipe)
