@@ -28,6 +28,8 @@
 #   then `bash scripts/h200_run.sh collect 540` (from /tmp/qp/src) back to back until it says done: the host
 #   forgets /tmp 30 s after a call, and what `pipeline` wrote with it.
 #   Fifth session: the 7 calls took 2.5 min (the machine start included), the llama3-8b pipeline 22.5 min.
+#   Sixth session: 2.1 min, the qwen25-7b pipeline ~17.5 min. Issue the next collect at once when one returns:
+#   a reply that came late (> 30 s) lost the machine, /tmp with it, and C1/C2 of that run.
 set -uo pipefail
 files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
 cd "$(dirname "$0")/.."
