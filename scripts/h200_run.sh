@@ -37,6 +37,7 @@ t0=$(date +%s)
 phase=$1; shift
 export QUANTPIPE_CACHE=/tmp/qp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 [ -f .git_commit ] && export QUANTPIPE_GIT_COMMIT=$(cat .git_commit)  # the archive's commit (run.json records it)
+output_dir() { python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$1"; }
 case $phase in
 install)
   bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
@@ -59,7 +60,7 @@ run)
   rc=$?
   echo "run rc=$rc after $(( $(date +%s) - t0 )) s"
   if [ -n "${OUT:-}" ]; then
-    out=$(python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$recipe")
+    out=$(output_dir "$recipe")
     last=$(ls -td "$out"/runs/*/ | head -1)
     for f in run.json report.md report.json; do cp "$last/$f" "$OUT/$name-$(date +%H%M%S)-$f" 2>/dev/null; done
     tar czf "$OUT/$name-$(date +%H%M%S)-logs.tgz" -C "$last" logs run.log 2>/dev/null
@@ -116,10 +117,10 @@ _drive)
   ( export CUDA_VISIBLE_DEVICES=0
     python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?"
     if [ $shape != llama3-8b ]; then
-      # The published fp8 package as a user gets it: verified, then served by a bare `vllm serve` (the
-      # compile cache warm from A's benchmark of it: a nightly rebuild's server start) and measured by
-      # `vllm bench serve` with the recipe's workload, on the GPU A measured it on.
-      pkg=$(python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" $R)/packages/fp8
+      # The published fp8 package as a user gets it: verified, then served by a bare `vllm serve` and
+      # measured by `vllm bench serve` with the recipe's workload, on the GPU A measured it on. (vLLM's
+      # compile cache is keyed by the model's path, so this server compiles again: sixth session.)
+      pkg=$(output_dir $R)/packages/fp8
       python3 -m quantpipe verify "$pkg" > $L/verify.log 2>&1; stamp "verify rc=$?"
       QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve "$pkg" pkg-fp8 --dataset-name random \
         --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --num-prompts 64 --request-rate inf \

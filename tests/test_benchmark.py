@@ -427,9 +427,10 @@ from quantpipe.server import Server
 from quantpipe.stages import StageError
 from quantpipe.stages.benchmark import measure
 cfg = json.loads(Path(sys.argv[2]).read_text())
+recipe = Recipe.model_validate(cfg["recipe"])
 srv = Server.connect(cfg["port"], "no-such-model")  # the live server answers every request with 404
 try:
-    measure(srv, Recipe.model_validate(cfg["recipe"]), "default", list(Recipe.model_validate(cfg["recipe"]).benchmark.workloads), {}, cfg["tokenizer"], Path(cfg["out"]))
+    measure(srv, recipe, "default", list(recipe.benchmark.workloads), {}, cfg["tokenizer"], Path(cfg["out"]))
 except StageError as e:
     print("STAGE_ERROR:", e)
     sys.exit(3)
