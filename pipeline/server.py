@@ -69,6 +69,17 @@ def port_in_use(port: int, host: str = HOST) -> bool:
         return False
 
 
+def port_freed(port: int, timeout_s: float = 30, host: str = HOST) -> bool:
+    """Wait for the port to be free. A process SIGKILLed a moment ago may still hold its sockets: Linux
+    shows a killed multi-threaded process as a zombie before its last thread has closed its files."""
+    deadline = time.monotonic() + timeout_s
+    while port_in_use(port, host):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def failure_reason(log_text: str) -> str:
     """The most specific error in a vLLM log: its first exception that is not a mere wrapper."""
     lines = [_LOG_PREFIX.sub("", ln).rstrip() for ln in log_text.splitlines()]
@@ -255,10 +266,8 @@ class Server:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        # Wait for the port: a caller that checks it right after stop() must find it free.
-        deadline = time.monotonic() + 10
-        while self.port and port_in_use(self.port) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        if self.port:  # a caller that checks the port right after stop() must find it free
+            port_freed(self.port, 10)
 
     def __enter__(self) -> "Server":
         return self.start()

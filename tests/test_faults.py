@@ -42,7 +42,7 @@ import pytest
 import yaml
 
 from quantpipe.cache import StageCache
-from quantpipe.server import port_in_use
+from quantpipe.server import port_freed, port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = "QUANTPIPE_FAULT_TEST"  # every process a test run starts inherits it
@@ -166,16 +166,6 @@ def gone(run: Run, timeout_s: float = 30) -> list[str]:
         except psutil.Error:
             pass
     return desc
-
-
-def port_freed(port: int, timeout_s: float = 30) -> bool:
-    """The port stops answering (a process SIGKILLed a moment ago may still be closing its sockets)."""
-    deadline = time.monotonic() + timeout_s
-    while port_in_use(port):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.25)
-    return True
 
 
 @pytest.fixture
