@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from quantpipe.recipe import Recipe
-from quantpipe.server import Server, failure_reason, port_freed, port_in_use
+from quantpipe.server import Server, failure_reason, port_freed, port_in_use, stable_path
 from quantpipe.stages.benchmark import (
     effective_engine,
     engine_flags,
@@ -130,6 +130,44 @@ def test_failure_reason_finds_the_root_cause_not_the_wrapper():
     assert why.startswith("ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: CPUWNA16LinearKernel")
     assert "initialization failed" not in why
     assert failure_reason("") == "server exited without any output"
+
+
+# --- fast: the stable serving path -------------------------------------------------------------
+
+
+def _model_dir(path: Path, **config) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"_name_or_path": str(path), "architectures": ["LlamaForCausalLM"],
+                                                  "hidden_size": 128, **config}))
+    return path
+
+
+def test_a_rebuild_of_the_same_shape_is_served_by_the_same_path(tmp_path, monkeypatch):
+    """vLLM's compile cache is keyed on the served path: a rebuilt artifact (new stage-cache directory, same
+    config.json) gets the same path, pointing at the new build; another shape or scheme gets another path."""
+    monkeypatch.setenv("QUANTPIPE_SERVING_LINKS", str(tmp_path / "links"))
+    first, rebuilt = _model_dir(tmp_path / "a" / "fp8"), _model_dir(tmp_path / "b" / "fp8")
+    other = _model_dir(tmp_path / "c" / "fp8", quantization_config={"format": "float-quantized"})
+    with stable_path(first) as p1:
+        assert p1.parent == tmp_path / "links" and p1.resolve() == first.resolve()
+    with stable_path(rebuilt) as p2:
+        assert p2 == p1 and p2.resolve() == rebuilt.resolve() and (p2 / "config.json").is_file()
+    with stable_path(other) as p3:
+        assert p3 != p1 and p3.resolve() == other.resolve()
+
+
+def test_a_stable_path_in_use_is_not_repointed(tmp_path, monkeypatch):
+    """Two servers of the same shape at once (two runs): the second is served by its own directory, so the
+    first never sees its link change under it."""
+    monkeypatch.setenv("QUANTPIPE_SERVING_LINKS", str(tmp_path / "links"))
+    one, two = _model_dir(tmp_path / "one"), _model_dir(tmp_path / "two")
+    with stable_path(one) as p1:
+        with stable_path(two) as p2:
+            assert p2 == two.resolve() and p1.resolve() == one.resolve()
+    with stable_path(two) as p3:  # released: the link is taken again
+        assert p3 == p1 and p3.resolve() == two.resolve()
+    with stable_path("org/model") as hub:  # a hub id is served as given
+        assert hub == "org/model"
 
 
 # --- fast: the best variant -------------------------------------------------------------------
@@ -493,6 +531,10 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     assert not by[("no-prefix-cache", "prefix", 4)]["prefix_cache_hit_rate"]
     mem = m["memory"]
     assert mem["kv_cache_tokens"] > 1000 and 0 < mem["weights_gib"] < 1 and mem["peak_rss_gib"] > 0.3 and mem["preemptions"] == 0
+    # Served by the stable link to the artifact (the log's first line is the server's command).
+    served = Path(m["served_path"])
+    assert served.is_symlink() and served.resolve() == models.merged.resolve()
+    assert (tmp_path / "out" / "logs" / "server-default.log").read_text().splitlines()[0].split()[5] == str(served)
     assert m["best"]["variant"] in ("default", "no-prefix-cache") and m["best"]["concurrency"] in (1, 4) and m["best"]["goodput"] > 0
     assert m["offline"] is None
     lora = m["lora"]

@@ -78,7 +78,7 @@ import time
 from pathlib import Path
 
 from ..recipe import Engine, Recipe, Workload
-from ..server import Server, ServerDied, _set_pdeathsig, failure_reason
+from ..server import Server, ServerDied, _set_pdeathsig, failure_reason, stable_path
 from . import StageError
 
 log = logging.getLogger(__name__)
@@ -797,22 +797,25 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str = "baseline", method
         lora_flags, lora_names, lora_notes = _lora_setup(recipe)
 
     failed_variants = []
-    for vname, e in variants:
-        engine, notes = effective_engine(e, recipe, src, plat, need)
-        info = serve_variant(vname, src, engine, recipe, plat, workloads, data, str(src), out, vocab)
-        info["engine_notes"] = notes
-        result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
-        result["results"] += info["rows"]
-        if vname == "default":
-            result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
-            if not info["servable"]:
-                result.update(servable=False, reason=info["reason"], status_note=info["reason"])
-                return finish()
-            result["memory"] = info["memory"]
-            if cfg.offline:
-                result["offline"] = offline(src, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
-        elif not info["servable"]:
-            failed_variants.append(vname)
+    # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
+    with stable_path(src) as served:
+        result["served_path"] = str(served)
+        for vname, e in variants:
+            engine, notes = effective_engine(e, recipe, src, plat, need)
+            info = serve_variant(vname, served, engine, recipe, plat, workloads, data, str(src), out, vocab)
+            info["engine_notes"] = notes
+            result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
+            result["results"] += info["rows"]
+            if vname == "default":
+                result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
+                if not info["servable"]:
+                    result.update(servable=False, reason=info["reason"], status_note=info["reason"])
+                    return finish()
+                result["memory"] = info["memory"]
+                if cfg.offline:
+                    result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
+            elif not info["servable"]:
+                failed_variants.append(vname)
 
     if lora_flags:
         engine, notes = effective_engine(cfg.engine, recipe, Path(base_dir), plat, need)
