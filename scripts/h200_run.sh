@@ -15,8 +15,13 @@
 #                                               bare oneshot (those two with llama3-8b only; with qwen25-7b,
 #                                               the published fp8 package verified and served bare instead),
 #                                               then the whole recipe once more and a re-run
-#   scripts/h200_run.sh collect SECONDS         wait for `pipeline` (at most SECONDS), print its progress and
-#                                               put every run.json, report, stage result and log in $OUT
+#   scripts/h200_run.sh nightly                 vLLM's compile cache across nightly rebuilds, detached: the
+#                                               nightly recipe on GPU 0 (night 1), then at once night 2 on GPU 0
+#                                               and night 3 on GPU 1, each from a new directory of the base
+#                                               model into a new stage cache; night 3 without the stable serving
+#                                               links of night 1 (the control: what a new path costs)
+#   scripts/h200_run.sh collect SECONDS         wait for `pipeline` or `nightly` (at most SECONDS), print its
+#                                               progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 #
 # The device calls for issue #7 (2 x H200; 30 device-minutes a session; a machine is held 30 min at most):
@@ -37,6 +42,7 @@ t0=$(date +%s)
 phase=$1; shift
 export QUANTPIPE_CACHE=/tmp/qp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 [ -f .git_commit ] && export QUANTPIPE_GIT_COMMIT=$(cat .git_commit)  # the archive's commit (run.json records it)
+stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
 output_dir() { python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$1"; }
 case $phase in
 install)
@@ -89,10 +95,32 @@ bench-serve)
   echo "bench-serve rc=$rc after $(( $(date +%s) - t0 )) s"
   exit $rc
   ;;
-pipeline)
+pipeline|nightly)
   mkdir -p /tmp/qp/log && rm -f /tmp/qp/log/done
-  setsid nohup bash scripts/h200_run.sh _drive "${1:-llama3-8b}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
-  echo "pipeline started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
+  if [ $phase = pipeline ]; then drive=(_drive "${1:-llama3-8b}"); else drive=(_nightly); fi
+  setsid nohup bash scripts/h200_run.sh "${drive[@]}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
+  echo "$phase started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
+  ;;
+_nightly)
+  source /tmp/qp/env.sh
+  R=recipes/h200-llama3-8b-nightly.yaml L=/tmp/qp/log
+  stamp "start nightly (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nvidia-smi --query-gpu=index,name,memory.used --format=csv
+  night() {  # N GPU [VAR=value...]: the recipe from a new directory of the base model, into a new cache and output dir
+    local n=$1 gpu=$2; shift 2
+    cp -al /tmp/qp/models/llama3-8b/base /tmp/qp/models/llama3-8b/night$n
+    sed -e "s#/models/llama3-8b/base#/models/llama3-8b/night$n#" -e "s#^output_dir: \(.*\)#output_dir: \1-$n#" $R > ${R%.yaml}-$n.yaml
+    env CUDA_VISIBLE_DEVICES=$gpu QUANTPIPE_CACHE=/tmp/qp/cache-night$n "$@" \
+      python3 -m quantpipe run --stage-timeout 8 ${R%.yaml}-$n.yaml --stages benchmark > $L/night$n.log 2>&1
+    stamp "night $n rc=$?"
+  }
+  night 1 0
+  night 2 0 & a=$!
+  night 3 1 QUANTPIPE_SERVING_LINKS=/tmp/qp/links-control & b=$!
+  wait $a $b
+  for f in /tmp/qp/cache-night*/stages/benchmark/*/*/out/logs/server-*.log; do  # where each server start went
+    echo "== $f"; grep -E "^\\$ |compile|Compil|Dynamo|from the cache|Model loading took|Graph capturing|init engine|Starting vLLM API" "$f" | cut -c1-300
+  done > $L/compile.txt 2>&1
+  stamp done; touch $L/done
   ;;
 _drive)
   # Measured on 2026-11-30, fifth session (2 x H200, llama3-8b; docs/BENCHMARKS.md): A and B both ended
@@ -107,7 +135,6 @@ _drive)
   source /tmp/qp/env.sh
   R1=${R%.yaml}-gpu1.yaml L=/tmp/qp/log
   sed "s#^output_dir: \(.*\)#output_dir: \1-gpu1#" $R > $R1  # a second output dir, the same cache
-  stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
   stamp "start $shape (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   # GPU 0: merge, the baseline, fp8 and awq, then the quantize stage against a bare oneshot (GPTQ, the
   # recipe's calibration settings). GPU 1: quantize int8, gptq and awq meanwhile, then evaluate, benchmark
@@ -153,9 +180,9 @@ collect)
   while [ ! -e /tmp/qp/log/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 15; done
   for f in /tmp/qp/log/*.log; do echo "== $f"; grep -E "✓|x |FAILED|rc=|run |skipped|Error|error|up after" "$f" | tail -n 40; done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
-  cd /tmp/qp && find log out cache -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.html' \
+  cd /tmp/qp && find log out cache* -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.html' \
       -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \
     | tar czf "$OUT/results.tgz" -T - && ls -la "$OUT"
   ;;
-*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | collect SECONDS" >&2; exit 2 ;;
+*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | collect SECONDS" >&2; exit 2 ;;
 esac
