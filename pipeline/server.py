@@ -91,6 +91,9 @@ def serving_links_dir() -> Path:
     return Path(os.environ.get("QUANTPIPE_SERVING_LINKS") or Path(root) / "quantpipe-paths")
 
 
+QUANT_CONFIG_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
+
+
 @contextlib.contextmanager
 def stable_path(model: str | Path) -> Iterator[Path]:
     """The model directory under a path that stays the same from one build of it to the next.
@@ -99,7 +102,7 @@ def stable_path(model: str | Path) -> Iterator[Path]:
     keeps `model`), so an artifact rebuilt into a new stage-cache directory (a nightly build of a new
     fine-tune, a changed calibration set) compiles again: ~30 s of a ~85 s server start for an 8B model on
     an H200. Served through a link named by its config.json (architecture, dtype, quantization scheme:
-    what the compiled graphs depend on), a rebuild of the same shape and scheme finds them. While in use
+    what the compiled graphs depend on; with a legacy quantization config file if there is one), a rebuild of the same shape and scheme finds them. While in use
     the link is held under an exclusive lock; if another server holds it, or no link can be made, the
     model's own path is served (a compile, nothing worse)."""
     given, model = model, Path(model).resolve()
@@ -109,11 +112,15 @@ def stable_path(model: str | Path) -> Iterator[Path]:
         yield given
         return
     cfg.pop("_name_or_path", None)
-    name = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:16]
+    h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
+    for extra in QUANT_CONFIG_FILES:  # where vLLM also looks for a quantization config
+        if (model / extra).is_file():
+            h.update(extra.encode() + b"\0" + (model / extra).read_bytes())
+    name = h.hexdigest()[:16]
     links = serving_links_dir()
     try:
         links.mkdir(parents=True, exist_ok=True)
-        lock = open(links / f"{name}.lock", "w")
+        lock = os.fdopen(os.open(links / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
     except OSError:
         yield model
         return

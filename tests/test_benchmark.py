@@ -154,6 +154,9 @@ def test_a_rebuild_of_the_same_shape_is_served_by_the_same_path(tmp_path, monkey
         assert p2 == p1 and p2.resolve() == rebuilt.resolve() and (p2 / "config.json").is_file()
     with stable_path(other) as p3:
         assert p3 != p1 and p3.resolve() == other.resolve()
+    (rebuilt / "quantize_config.json").write_text('{"bits": 4}')  # a legacy GPTQ checkpoint's quantization config
+    with stable_path(rebuilt) as p4:
+        assert p4 not in (p1, p3) and p4.resolve() == rebuilt.resolve()
 
 
 def test_a_stable_path_in_use_is_not_repointed(tmp_path, monkeypatch):
