@@ -30,6 +30,36 @@ def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def recorded_hashes(outs) -> dict:
+    """The sha256 that committed entries recorded for their files, by (device, inode, size, mtime_ns).
+
+    The package stage hard-links its quantize entry's weight shards, so the package (and the commit of its
+    entry) would read an 8B model's gigabytes again to hash what the quantize commit hashed. A file of the
+    same inode, size and mtime as an entry's recorded file has its recorded content, on the trust the cache
+    already gives committed entries (they are never written after their commit; any write changes the mtime).
+    `outs` are stage outputs (`<entry>/out`); anything else (an external input) is skipped."""
+    known = {}
+    for out in outs:
+        out = Path(out)
+        try:
+            files = json.loads((out.parent / MARKER).read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for rel, rec in files.items():
+            try:
+                st = (out / rel).stat()
+            except OSError:
+                continue
+            known[(st.st_dev, st.st_ino, rec["size"], rec.get("mtime_ns"))] = rec["sha256"]
+    return known
+
+
+def file_sha256(path: Path, known: dict) -> str:
+    """sha256 of a file: the one `recorded_hashes` found for it (same inode, size and mtime), else read."""
+    st = os.stat(path)
+    return known.get((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)) or sha256_file(path)
+
+
 def hash_json(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
@@ -109,16 +139,18 @@ class StageCache:
         (work / "out").mkdir(parents=True)
         return work
 
-    def commit(self, work: Path, stage: str, key: str, meta: dict) -> dict:
-        """Record file hashes, write the marker last, fsync, and rename into place."""
+    def commit(self, work: Path, stage: str, key: str, meta: dict, inputs=()) -> dict:
+        """Record file hashes, write the marker last, fsync, and rename into place. Files hard-linked from
+        the stage's `inputs` (committed outputs) take the hashes their entries recorded."""
         out = work / "out"
+        known = recorded_hashes(inputs)
         files = {}
         for rel in list_files(out):
             p = out / rel
             if p.is_symlink() and not p.exists():
                 raise OSError(f"dangling link in stage output: {rel}")
             st = p.stat()
-            files[str(rel)] = {"size": st.st_size, "sha256": sha256_file(p), "mtime_ns": st.st_mtime_ns}
+            files[str(rel)] = {"size": st.st_size, "sha256": file_sha256(p, known), "mtime_ns": st.st_mtime_ns}
         marker = {**meta, "stage": stage, "key": key, "files": files, "committed_at": time.time()}
         _fsync_tree(out)
         tmp = work / (MARKER + ".tmp")

@@ -385,7 +385,8 @@ class Runner:
         (work / "metrics.json").unlink()
         (work / "spec.json").unlink()
         try:
-            return self.cache.commit(work, s.id, s.key, {"metrics": metrics, "wall_s": round(time.perf_counter() - t0, 3)})
+            return self.cache.commit(work, s.id, s.key, {"metrics": metrics, "wall_s": round(time.perf_counter() - t0, 3)},
+                                     inputs=[src, *refs.values()])
         except OSError as e:
             shutil.rmtree(work, ignore_errors=True)
             raise StageFailed(f"could not commit the output of {s.id} to {self.cache.root}: {e}", log_path, "") from None

@@ -24,6 +24,11 @@ SHAPES = {
     "qwen25-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                       num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, max_position_embeddings=32768,
                       rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # public config.json of meta-llama/Llama-3.2-1B-Instruct: a model of real size that a CPU quantizes and
+    # packages in minutes (the package stage's hashing, measured on the CPU)
+    "llama32-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True),
     # same architectures at test size, to check this script on a CPU
     "llama-mini": dict(arch="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
                        num_key_value_heads=2, vocab_size=16384, rope_theta=500000.0, max_position_embeddings=2048,

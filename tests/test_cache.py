@@ -67,6 +67,32 @@ def test_unchanged_files_are_not_rehashed_on_use_unless_asked(tmp_path, monkeypa
     assert any("sha256 mismatch" in x for x in cache.verify_entry("quantize:a", "k1", marker))
 
 
+def test_files_linked_from_an_input_entry_take_its_recorded_hash(tmp_path, monkeypatch):
+    """The package stage hard-links its quantize entry's shards: committing it reads only its own new files.
+    A copy (another inode) or a linked file written since (another mtime) is read and hashed."""
+    import quantpipe.cache as qc
+
+    cache = StageCache(tmp_path)
+    q = cache.commit(build(cache, "quantize:a", "q", {"model.safetensors": b"weights", "copied.json": b"{}"}), "quantize:a", "q", {})
+    q_out = cache.entry("quantize:a", "q") / "out"
+    work = build(cache, "package:a", "p", {"manifest.json": b"{...}"})
+    os.link(q_out / "model.safetensors", work / "out" / "model.safetensors")
+    (work / "out" / "copied.json").write_bytes((q_out / "copied.json").read_bytes())
+    real, calls = qc.sha256_file, []
+    monkeypatch.setattr(qc, "sha256_file", lambda p, *a: calls.append(p.name) or real(p, *a))
+    pkg = cache.commit(work, "package:a", "p", {}, inputs=[q_out, tmp_path / "not-an-entry"])
+    assert sorted(calls) == ["copied.json", "manifest.json"]
+    assert pkg["files"]["model.safetensors"]["sha256"] == q["files"]["model.safetensors"]["sha256"] == real(q_out / "model.safetensors")
+    assert cache.verify_entry("package:a", "p", pkg) == []
+    # The linked file rewritten in place after the quantize commit: its mtime moved, so it is read again.
+    work = build(cache, "package:a", "p2", {"card.md": b"#"})
+    os.link(q_out / "model.safetensors", work / "out" / "model.safetensors")
+    (work / "out" / "model.safetensors").write_bytes(b"tampered")
+    calls.clear()
+    pkg2 = cache.commit(work, "package:a", "p2", {}, inputs=[q_out])
+    assert sorted(calls) == ["card.md", "model.safetensors"] and pkg2["files"]["model.safetensors"]["sha256"] == real(q_out / "model.safetensors")
+
+
 def test_a_stage_killed_midway_leaves_no_entry(tmp_path):
     """A process that dies between begin() and commit() leaves only a temp folder, swept later."""
     code = textwrap.dedent(f"""

@@ -13,7 +13,6 @@ no adapter files, no pickle weights. `quantpipe verify DIR` re-checks a package 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -423,19 +422,14 @@ def md_cell(v) -> str:
 # --- manifest and verification ------------------------------------------------------------------
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def build_manifest(recipe, artifact: str, out: Path, src: Path, stages: dict, weights: dict, ctx: dict) -> dict:
+    from ..cache import file_sha256, recorded_hashes
+
+    known = recorded_hashes([src])  # the shards hard-linked from the quantize entry: hashed at its commit
     files = {}
     for p in sorted(out.rglob("*")):
         if p.is_file() and p.name != MANIFEST:
-            files[str(p.relative_to(out))] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            files[str(p.relative_to(out))] = {"size": p.stat().st_size, "sha256": file_sha256(p, known)}
     keys = {rec["stage"]: rec["key"] for rec in stages.values() if rec.get("stage")}
     own = stage_id(out)
     if own:
@@ -470,6 +464,8 @@ def verify_package(dir: Path) -> list[str]:
     manifest = _read_json(root / MANIFEST)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return [f"{MANIFEST}: missing or unreadable; this is not a quantpipe package (or the manifest was damaged)"]
+    from ..cache import sha256_file
+
     problems = []
     recorded = manifest["files"]
     present = {str(p.relative_to(root)) for p in root.rglob("*") if (p.is_file() or p.is_symlink()) and p.name != MANIFEST}
