@@ -20,6 +20,11 @@
 #                                               and night 3 on GPU 1, each from a new directory of the base
 #                                               model into a new stage cache; night 3 without the stable serving
 #                                               links of night 1 (the control: what a new path costs)
+#   scripts/h200_run.sh compile-links           the smallest GPU check of the stable serving link (minutes):
+#                                               three `vllm serve` starts of the tiny model, as the benchmark
+#                                               stage starts them, each from a new directory of hard links;
+#                                               1 and 3 through one links directory, 2 through its own (the
+#                                               control); start times and compile lines into $OUT
 #   scripts/h200_run.sh collect SECONDS         wait for `pipeline` or `nightly` (at most SECONDS), print its
 #                                               progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -175,6 +180,30 @@ _drive)
   ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* /tmp/qp/* 2>&1; df -h /tmp
   stamp done; touch $L/done
   ;;
+compile-links)
+  source /tmp/qp/env.sh
+  VLLM_USE_FLASHINFER_SAMPLER=0 python3 - "${OUT:-/tmp/qp/links-check}" <<'PY'
+import json, os, re, shutil, sys
+from pathlib import Path
+from quantpipe.server import Server, stable_path
+out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
+rows = []
+for n, links in ((1, "links"), (2, "links-control"), (3, "links")):
+    d = Path(f"/tmp/qp/night{n}/llama"); shutil.rmtree(d.parent, ignore_errors=True); d.parent.mkdir(parents=True)
+    shutil.copytree("/tmp/qp/tiny/llama", d, copy_function=os.link)
+    os.environ["QUANTPIPE_SERVING_LINKS"] = f"/tmp/qp/{links}"
+    with stable_path(d) as served:
+        srv = Server(served, ["--max-model-len", "1024", "--gpu-memory-utilization", "0.3"], log_path=out / f"night{n}-server.log",
+                     python=os.environ["QUANTPIPE_PYTHON_SERVE"], gpu=True)
+        with srv:
+            srv.completion("Hello", max_tokens=4)
+    log = (out / f"night{n}-server.log").read_text(errors="replace")
+    lines = [ln[:220] for ln in log.splitlines() if re.search(r"Directly load|AOT compiled|torch.compile take|Compiling|Dynamo bytecode|init engine", ln)]
+    rows.append({"night": n, "links": links, "served": str(served), "server_start_s": round(srv.start_s, 1), "compile_log": lines})
+    print(json.dumps(rows[-1], indent=1), flush=True)
+    (out / "compile-links.json").write_text(json.dumps(rows, indent=1))
+PY
+  ;;
 collect)
   end=$(( t0 + ${1:-540} ))
   while [ ! -e /tmp/qp/log/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 15; done
@@ -184,5 +213,5 @@ collect)
       -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \
     | tar czf "$OUT/results.tgz" -T - && ls -la "$OUT"
   ;;
-*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | collect SECONDS" >&2; exit 2 ;;
+*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | compile-links | collect SECONDS" >&2; exit 2 ;;
 esac
