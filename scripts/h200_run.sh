@@ -40,6 +40,8 @@
 #   Fifth session: the 7 calls took 2.5 min (the machine start included), the llama3-8b pipeline 22.5 min.
 #   Sixth session: 2.1 min, the qwen25-7b pipeline ~17.5 min. Issue the next collect at once when one returns:
 #   a reply that came late (> 30 s) lost the machine, /tmp with it, and C1/C2 of that run.
+#   Seventh session (one GPU, 433 device-s left): the 7 calls (~60 s) then, in call 7, gpu_env.sh (16 s)
+#   and `compile-links` instead of install + pipeline: 287 s.
 set -uo pipefail
 files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
 cd "$(dirname "$0")/.."
