@@ -84,7 +84,6 @@ def port_freed(port: int, timeout_s: float = 30, host: str = HOST) -> bool:
     return True
 
 
-
 def serving_links_dir() -> Path:
     """Where `stable_path` keeps its links: next to vLLM's compile cache, which they serve."""
     root = os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
@@ -102,9 +101,10 @@ def stable_path(model: str | Path) -> Iterator[Path]:
     keeps `model`), so an artifact rebuilt into a new stage-cache directory (a nightly build of a new
     fine-tune, a changed calibration set) compiles again: ~30 s of a ~85 s server start for an 8B model on
     an H200. Served through a link named by its config.json (architecture, dtype, quantization scheme:
-    what the compiled graphs depend on; with a legacy quantization config file if there is one), a rebuild of the same shape and scheme finds them. While in use
-    the link is held under an exclusive lock; if another server holds it, or no link can be made, the
-    model's own path is served (a compile, nothing worse)."""
+    what the compiled graphs depend on; and a legacy quantization config file if there is one), a rebuild
+    of the same shape and scheme finds them. While in use the link is held under an exclusive lock; if
+    another server holds it, or no link can be made, the model's own path is served (a compile, nothing
+    worse)."""
     given, model = model, Path(model).resolve()
     try:
         cfg = json.loads((model / "config.json").read_text())
