@@ -15,11 +15,10 @@
 #                                               bare oneshot (those two with llama3-8b only; with qwen25-7b,
 #                                               the published fp8 package verified and served bare instead),
 #                                               then the whole recipe once more and a re-run
-#   scripts/h200_run.sh nightly                 vLLM's compile cache across nightly rebuilds, detached: the
-#                                               nightly recipe on GPU 0 (night 1), then at once night 2 on GPU 0
-#                                               and night 3 on GPU 1, each from a new directory of the base
-#                                               model into a new stage cache; night 3 without the stable serving
-#                                               links of night 1 (the control: what a new path costs)
+#   scripts/h200_run.sh nightly                 vLLM's compile cache across nightly rebuilds, detached, one GPU:
+#                                               scripts/bench_compile_cache.py on the 8B nightly recipe, three
+#                                               nights from new directories of the base model into new stage
+#                                               caches, night 2 without the stable links (the control)
 #   scripts/h200_run.sh compile-links           the smallest GPU check of the stable serving link (minutes):
 #                                               three `vllm serve` starts of the tiny model, as the benchmark
 #                                               stage starts them, each from a new directory of hard links;
@@ -109,25 +108,12 @@ pipeline|nightly)
   echo "$phase started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
   ;;
 _nightly)
+  # scripts/bench_compile_cache.py on GPU 0: nights 1 and 3 through the shared links, night 2 the control.
   source /tmp/qp/env.sh
-  R=recipes/h200-llama3-8b-nightly.yaml L=/tmp/qp/log
   stamp "start nightly (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nvidia-smi --query-gpu=index,name,memory.used --format=csv
-  night() {  # N GPU [VAR=value...]: the recipe from a new directory of the base model, into a new cache and output dir
-    local n=$1 gpu=$2; shift 2
-    cp -al /tmp/qp/models/llama3-8b/base /tmp/qp/models/llama3-8b/night$n
-    sed -e "s#/models/llama3-8b/base#/models/llama3-8b/night$n#" -e "s#^output_dir: \(.*\)#output_dir: \1-$n#" $R > ${R%.yaml}-$n.yaml
-    env CUDA_VISIBLE_DEVICES=$gpu QUANTPIPE_CACHE=/tmp/qp/cache-night$n "$@" \
-      python3 -m quantpipe run --stage-timeout 8 ${R%.yaml}-$n.yaml --stages benchmark > $L/night$n.log 2>&1
-    stamp "night $n rc=$?"
-  }
-  night 1 0
-  night 2 0 & a=$!
-  night 3 1 QUANTPIPE_SERVING_LINKS=/tmp/qp/links-control & b=$!
-  wait $a $b
-  for f in /tmp/qp/cache-night*/stages/benchmark/*/*/out/logs/server-*.log; do  # where each server start went
-    echo "== $f"; grep -E "^\\$ |compile|Compil|Dynamo|from the cache|Model loading took|Graph capturing|init engine|Starting vLLM API" "$f" | cut -c1-300
-  done > $L/compile.txt 2>&1
-  stamp done; touch $L/done
+  CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_compile_cache.py recipes/h200-llama3-8b-nightly.yaml --nights 3 \
+    --workdir /tmp/qp/nightly --json /tmp/qp/log/compile-cache-nights.json > /tmp/qp/log/nightly.log 2>&1
+  stamp "nightly rc=$?"; touch /tmp/qp/log/done
   ;;
 _drive)
   # Measured on 2026-11-30, fifth session (2 x H200, llama3-8b; docs/BENCHMARKS.md): A and B both ended
@@ -211,7 +197,7 @@ collect)
   while [ ! -e /tmp/qp/log/done ] && [ "$(date +%s)" -lt "$end" ]; do sleep 15; done
   for f in /tmp/qp/log/*.log; do echo "== $f"; grep -E "✓|x |FAILED|rc=|run |skipped|Error|error|up after" "$f" | tail -n 40; done
   nvidia-smi --query-gpu=index,memory.used,utilization.gpu --format=csv,noheader
-  cd /tmp/qp && find log out cache* -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.html' \
+  cd /tmp/qp && find log out cache nightly -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' -o -name '*.md' -o -name '*.html' \
       -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \
     | tar czf "$OUT/results.tgz" -T - && ls -la "$OUT"
   ;;
