@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from quantpipe.recipe import load
+from quantpipe.recipe import RecipeError, load
 
 # What a vLLM server log says of torch.compile and of the engine's start (0.26 on CUDA, 0.32 on the CPU):
 # "Directly load ..." is a compile-cache hit (the AOT-compiled function or the compiled graphs).
@@ -81,6 +81,10 @@ def main() -> int:
     a = ap.parse_args()
     if a.report_only and not a.workdir:
         ap.error("--report-only needs --workdir")
+    try:
+        load(a.recipe)
+    except RecipeError as e:
+        ap.error(str(e))
     work = (a.workdir or Path(tempfile.mkdtemp(prefix="qp-nightly-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     qp = [sys.executable, "-m", "quantpipe", "run", "--stages", "benchmark", *(["--artifacts", a.artifacts] if a.artifacts else [])]
