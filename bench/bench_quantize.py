@@ -11,8 +11,8 @@ same weights. On a busy shared CPU a tiny model's runs vary by 2x from one to th
 real size on a quiet machine (e.g. an 8B-shaped one on the GPU host) gives the meaningful ratio.
 Run it in the quantize environment:
 
-    .venv/quantize/bin/python scripts/bench_quantize.py --model .tiny/llama --method gptq --repeats 3
-    python scripts/bench_quantize.py --model /tmp/llama-8b --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup
+    .venv/quantize/bin/python bench/bench_quantize.py --model .tiny/llama --method gptq --repeats 3
+    python bench/bench_quantize.py --model /tmp/llama-8b --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ def main() -> int:
     from quantpipe import calibration as cal
     from quantpipe.recipe import Recipe
     from quantpipe.stages import quantize
+    from quantpipe.stages.contract import QuantizeInput
 
     model_dir = args.model.resolve()
     cal_path = (args.calibration or model_dir.parent / "data" / "calibration.jsonl").resolve()
@@ -76,6 +77,7 @@ def main() -> int:
         "artifacts": [{"name": "a", **METHODS[args.method]}],
     })
     a = recipe.artifacts[0]
+    inp = QuantizeInput(artifact=a, calibration=recipe.calibration, base=recipe.base)  # what the runner hands the stage
     dtype = getattr(torch, recipe.base.dtype)
 
     cuda = torch.cuda.is_available()
@@ -85,7 +87,7 @@ def main() -> int:
 
     def stage(out: Path) -> tuple[float, float]:
         t, c = time.perf_counter(), time.process_time()
-        quantize.run(recipe, model_dir, out, artifact="a")
+        quantize.run(inp, model_dir, out)
         return time.perf_counter() - t, time.process_time() - c
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -96,7 +98,7 @@ def main() -> int:
         quantize.seed_everything(recipe.calibration.seed)
         t, c = time.perf_counter(), time.process_time()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True)
-        kwargs = quantize.oneshot_kwargs(a, recipe, model, tokenizer, dataset)
+        kwargs = quantize.oneshot_kwargs(a, inp, model, tokenizer, dataset)
         guard = quantize.cpu_safe_awq() if a.method == "awq" else contextlib.nullcontext()
         with guard:
             oneshot(**kwargs)

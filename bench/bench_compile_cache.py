@@ -4,17 +4,17 @@
 vLLM keys its torch.compile cache on the served model's path, among other factors, and a nightly build of
 a new fine-tune puts every artifact at a new path (a new merge, new stage-cache directories), so each of
 its servers would compile again. The benchmark stage serves through a link named by the artifact's
-config.json instead (`quantpipe.server.stable_path`). This runs a recipe's benchmark stages (baseline and
+config.json instead (`quantpipe.serving_links.stable_path`). This runs a recipe's benchmark stages (baseline and
 the artifacts given, with what they need) night after night, each night from a new directory of the base
 model (hard links: to vLLM as new as a new merge) into a new stage cache, alternately with the links of
-night 1 ("links") and with a links directory of its own ("control": what every night cost before). It
+night 1 ("links") and with a links directory of its own ("control": what every night costs without them). It
 prints each server's start time and what its log says of torch.compile, and writes the table as JSON.
 
 Run it in the quantize environment (the `quantpipe` CLI) with the same engine settings a real night has;
 vLLM's compile cache ($VLLM_CACHE_ROOT, default ~/.cache/vllm) is shared by every night, as on a build host:
 
-    .venv/quantize/bin/python scripts/bench_compile_cache.py recipes/demo.yaml --artifacts int8 --compile
-    python3 scripts/bench_compile_cache.py recipes/h200-llama3-8b-nightly.yaml --nights 3 --workdir /tmp/qp/nightly
+    .venv/quantize/bin/python bench/bench_compile_cache.py recipes/demo.yaml --artifacts int8 --compile
+    python3 bench/bench_compile_cache.py bench/recipes/h200-llama3-8b-nightly.yaml --nights 3 --workdir /tmp/qp/nightly
 """
 
 from __future__ import annotations

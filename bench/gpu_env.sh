@@ -2,11 +2,11 @@
 # On an offline GPU host (python3 with torch + transformers preinstalled, no package index): install
 # the carried wheel bundles into separate target folders and write the two stage interpreters.
 #
-#   scripts/gpu_env.sh WHEELS_DIR [PREFIX]      (PREFIX default /tmp/qp)
+#   bench/gpu_env.sh WHEELS_DIR [PREFIX]        (PREFIX default /tmp/qp)
 #   source PREFIX/env.sh                        # exports QUANTPIPE_PYTHON_QUANTIZE/SERVE, PYTHONPATH for the CLI
 #
 # WHEELS_DIR holds vllm/ (../shared/gpu/vllm-0.26.0.txt, bundled by ../shared/gpu/bundle.sh),
-# llmc/ (llmcompressor-0.14.0.1.txt) and extra/ (scripts/gpu/extra.txt: lm-eval and what it needs).
+# llmc/ (llmcompressor-0.14.0.1.txt) and extra/ (bench/gpu/extra.txt: lm-eval and what it needs).
 # llm-compressor 0.14 pins compressed-tensors 0.19 and vLLM 0.26 pins 0.17: they never share a
 # PYTHONPATH. quantpipe itself needs only what the host has plus pydantic (in the llmc bundle).
 set -euo pipefail

@@ -5,7 +5,7 @@ configurations of these models with random weights: speed and memory are real, a
 meaningless (the report says so). The tokenizer is copied from a local directory (the tiny
 models' 16k BPE tokenizer), whose ids all fall inside the large vocabulary.
 
-    python scripts/make_shaped_model.py --shape llama3-8b --tokenizer .tiny/llama --out /tmp/m/llama3-8b
+    python bench/make_shaped_model.py --shape llama3-8b --tokenizer .tiny/llama --out /tmp/m/llama3-8b
 """
 
 from __future__ import annotations

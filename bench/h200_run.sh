@@ -3,44 +3,42 @@
 # /tmp only while calls follow each other). The wheel bundles are carried in first, one folder per
 # call, and copied to /tmp/w/{vllm,llmc,extra}; .gpu/tiny is a copy of the tiny models (.tiny/).
 #
-#   scripts/h200_run.sh install [SHAPE...]      install the bundles, build the shaped models + LoRA
-#                                               (SHAPE: llama3-8b (default), qwen25-7b)
-#   scripts/h200_run.sh run RECIPE [ARGS...]    quantpipe run RECIPE ARGS, results into $OUT
-#   scripts/h200_run.sh bench-serve ARTIFACT_DIR OUTNAME [vllm bench serve args...]
-#                                               a bare `vllm serve` + `vllm bench serve` per concurrency
-#                                               (QP_CONCURRENCY), to set beside the benchmark stage's figures
-#   scripts/h200_run.sh pipeline [SHAPE]        issue #7 on a 2-GPU host, detached (it outlives the call):
-#                                               the shape's recipe split by artifact over the GPUs, the tiny
-#                                               model's validation beside it, the quantize stage against a
-#                                               bare oneshot (those two with llama3-8b only; with qwen25-7b,
-#                                               the published fp8 package verified and served bare instead),
-#                                               then the whole recipe once more and a re-run
-#   scripts/h200_run.sh nightly                 vLLM's compile cache across nightly rebuilds, detached, one GPU:
-#                                               scripts/bench_compile_cache.py on the 8B nightly recipe, three
-#                                               nights from new directories of the base model into new stage
-#                                               caches, night 2 without the stable links (the control)
-#   scripts/h200_run.sh compile-links           the smallest GPU check of the stable serving link (minutes):
-#                                               three `vllm serve` starts of the tiny model, as the benchmark
-#                                               stage starts them, each from a new directory of hard links;
-#                                               1 and 3 through one links directory, 2 through its own (the
-#                                               control); start times and compile lines into $OUT
-#   scripts/h200_run.sh collect SECONDS         wait for `pipeline` or `nightly` (at most SECONDS), print its
-#                                               progress and put every run.json, report, stage result and log in $OUT
+#   bench/h200_run.sh install [SHAPE...]       install the bundles, build the shaped models + LoRA
+#                                              (SHAPE: llama3-8b (default), qwen25-7b)
+#   bench/h200_run.sh run RECIPE [ARGS...]     quantpipe run RECIPE ARGS, results into $OUT
+#   bench/h200_run.sh bench-serve ARTIFACT_DIR OUTNAME [vllm bench serve args...]
+#                                              a bare `vllm serve` + `vllm bench serve` per concurrency
+#                                              (QP_CONCURRENCY), to set beside the benchmark stage's figures
+#   bench/h200_run.sh pipeline [SHAPE]         the shape's whole recipe on a 2-GPU host, detached (it outlives
+#                                              the call): split by artifact over the GPUs, the tiny model's
+#                                              validation beside it, the quantize stage against a bare oneshot
+#                                              (those two with llama3-8b only; with qwen25-7b, the published
+#                                              fp8 package verified and served bare instead), then the whole
+#                                              recipe once more and an unchanged re-run
+#   bench/h200_run.sh nightly                  vLLM's compile cache across nightly rebuilds, detached, one GPU:
+#                                              bench/bench_compile_cache.py on the 8B nightly recipe, three
+#                                              nights from new directories of the base model into new stage
+#                                              caches, night 2 without the stable links (the control)
+#   bench/h200_run.sh compile-links            the smallest GPU check of the stable serving link (minutes):
+#                                              three `vllm serve` starts of the tiny model, as the benchmark
+#                                              stage starts them, each from a new directory of hard links;
+#                                              1 and 3 through one links directory, 2 through its own (the
+#                                              control); start times and compile lines into $OUT
+#   bench/h200_run.sh collect SECONDS          wait for `pipeline` or `nightly` (at most SECONDS), print its
+#                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 #
-# The device calls for issue #7 (2 x H200; 30 device-minutes a session; a machine is held 30 min at most):
-#   here:  scripts/gpu_bundle.sh (builds .gpu/: the wheel bundles, tokenizer, tiny models, a git archive of HEAD)
+# The device calls (2 x H200; a machine is held 30 minutes at most):
+#   here:  bench/gpu_bundle.sh (builds .gpu/: the wheel bundles, tokenizer, tiny models, a git archive of HEAD)
 #   calls 1-6 carry .gpu/vllm/partN alone:  mkdir -p /tmp/w/vllm && cp -r .gpu/vllm/partN/. /tmp/w/vllm/
 #   call 7 carries part7, llmc, extra, tok, tiny and qp: copy vllm/part7/. and llmc/part1/. and extra/. to
 #          /tmp/w/{vllm,llmc,extra}, qp/. to /tmp/qp/src, then there (from /tmp/qp/src)
-#          `QP_GPU_FILES=$REPO/.gpu bash scripts/h200_run.sh install SHAPE && bash scripts/h200_run.sh pipeline SHAPE`
-#   then `bash scripts/h200_run.sh collect 540` (from /tmp/qp/src) back to back until it says done: the host
-#   forgets /tmp 30 s after a call, and what `pipeline` wrote with it.
-#   Fifth session: the 7 calls took 2.5 min (the machine start included), the llama3-8b pipeline 22.5 min.
-#   Sixth session: 2.1 min, the qwen25-7b pipeline ~17.5 min. Issue the next collect at once when one returns:
-#   a reply that came late (> 30 s) lost the machine, /tmp with it, and C1/C2 of that run.
-#   Seventh session (one GPU, 433 device-s left): the 7 calls (~60 s) then, in call 7, gpu_env.sh (16 s)
-#   and `compile-links` instead of install + pipeline: 287 s.
+#          `QP_GPU_FILES=$REPO/.gpu bash bench/h200_run.sh install SHAPE && bash bench/h200_run.sh pipeline SHAPE`
+#   then `bash bench/h200_run.sh collect 540` (from /tmp/qp/src) back to back until it says done: the host
+#   forgets /tmp 30 s after a call, and what `pipeline` wrote with it, so issue the next collect as soon
+#   as one returns. The 7 carry calls take 1-2.5 minutes (the machine's start included); the llama3-8b
+#   pipeline ~22.5 minutes, the qwen25-7b one ~17.5 (docs/BENCHMARKS.md). `compile-links` needs only
+#   bench/gpu_env.sh (16 s) after the carry calls, no `install`: ~5 minutes in all.
 set -uo pipefail
 files=${QP_GPU_FILES:-$PWD/.gpu}   # carried bundles: tok/ (tokenizer for the 8B shape), tiny/
 cd "$(dirname "$0")/.."
@@ -52,7 +50,7 @@ stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
 output_dir() { python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$1"; }
 case $phase in
 install)
-  bash scripts/gpu_env.sh /tmp/w /tmp/qp || exit 1
+  bash bench/gpu_env.sh /tmp/w /tmp/qp || exit 1
   echo "install: $(( $(date +%s) - t0 )) s"
   if [ -d "$files/tiny" ]; then  # the lm-eval task YAMLs name their data files by the absolute path they were built at
     mkdir -p /tmp/qp/tiny && cp -r "$files/tiny/." /tmp/qp/tiny/
@@ -60,7 +58,7 @@ install)
   fi
   source /tmp/qp/env.sh
   for shape in "${@:-llama3-8b}"; do
-    [ -d /tmp/qp/models/$shape/base ] || python3 scripts/make_shaped_model.py --shape $shape --tokenizer "$files/tok" --out /tmp/qp/models/$shape || exit 1
+    [ -d /tmp/qp/models/$shape/base ] || python3 bench/make_shaped_model.py --shape $shape --tokenizer "$files/tok" --out /tmp/qp/models/$shape || exit 1
   done
   echo "model: $(( $(date +%s) - t0 )) s"
   ;;
@@ -104,25 +102,25 @@ bench-serve)
 pipeline|nightly)
   mkdir -p /tmp/qp/log && rm -f /tmp/qp/log/done
   if [ $phase = pipeline ]; then drive=(_drive "${1:-llama3-8b}"); else drive=(_nightly); fi
-  setsid nohup bash scripts/h200_run.sh "${drive[@]}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
-  echo "$phase started (pid $!): scripts/h200_run.sh collect SECONDS to follow it"
+  setsid nohup bash bench/h200_run.sh "${drive[@]}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
+  echo "$phase started (pid $!): bench/h200_run.sh collect SECONDS to follow it"
   ;;
 _nightly)
-  # scripts/bench_compile_cache.py on GPU 0: nights 1 and 3 through the shared links, night 2 the control.
+  # bench/bench_compile_cache.py on GPU 0: nights 1 and 3 through the shared links, night 2 the control.
   source /tmp/qp/env.sh
   stamp "start nightly (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nvidia-smi --query-gpu=index,name,memory.used --format=csv
-  CUDA_VISIBLE_DEVICES=0 python3 scripts/bench_compile_cache.py recipes/h200-llama3-8b-nightly.yaml --nights 3 \
+  CUDA_VISIBLE_DEVICES=0 python3 bench/bench_compile_cache.py bench/recipes/h200-llama3-8b-nightly.yaml --nights 3 \
     --workdir /tmp/qp/nightly --json /tmp/qp/log/compile-cache-nights.json > /tmp/qp/log/nightly.log 2>&1
   stamp "nightly rc=$?"; touch /tmp/qp/log/done
   ;;
 _drive)
-  # Measured on 2026-11-30, fifth session (2 x H200, llama3-8b; docs/BENCHMARKS.md): A and B both ended
-  # 19.7 min after the start, the quantize-overhead pair took 2.6 min more, the whole recipe 7 s and its
-  # re-run 2 s. The tiny model's validation and the quantize-overhead pair run with llama3-8b only.
+  # On 2 x H200 with llama3-8b (docs/BENCHMARKS.md): A and B end ~20 min after the start, the
+  # quantize-overhead pair takes ~2.6 min more, the whole recipe ~7 s and its re-run ~2 s. The tiny
+  # model's validation and the quantize-overhead pair run with llama3-8b only.
   shape=$1
   case $shape in
-    llama3-8b) R=recipes/h200-llama3-8b-full.yaml ;;
-    qwen25-7b) R=recipes/h200-qwen25-7b.yaml ;;
+    llama3-8b) R=bench/recipes/h200-llama3-8b-full.yaml ;;
+    qwen25-7b) R=bench/recipes/h200-qwen25-7b.yaml ;;
     *) echo "unknown shape $shape (llama3-8b, qwen25-7b)" >&2; exit 2 ;;
   esac
   source /tmp/qp/env.sh
@@ -139,21 +137,21 @@ _drive)
     if [ $shape != llama3-8b ]; then
       # The published fp8 package as a user gets it: verified, then served by a bare `vllm serve` and
       # measured by `vllm bench serve` with the recipe's workload, on the GPU A measured it on. (vLLM's
-      # compile cache is keyed by the model's path, so this server compiles again: sixth session.)
+      # compile cache is keyed by the model's path: a server of the package's path compiles again.)
       pkg=$(output_dir $R)/packages/fp8
       python3 -m quantpipe verify "$pkg" > $L/verify.log 2>&1; stamp "verify rc=$?"
-      QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash scripts/h200_run.sh bench-serve "$pkg" pkg-fp8 --dataset-name random \
+      QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash bench/h200_run.sh bench-serve "$pkg" pkg-fp8 --dataset-name random \
         --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --num-prompts 64 --request-rate inf \
         --ignore-eos --temperature 0 --seed 0 > $L/bare.log 2>&1; stamp "bare bench-serve rc=$?"
       exit 0
     fi
-    python3 scripts/bench_quantize.py --model /tmp/qp/models/$shape/base --calibration calibration/tiny-mix.jsonl \
+    python3 bench/bench_quantize.py --model /tmp/qp/models/$shape/base --calibration calibration/tiny-mix.jsonl \
       --method gptq --num-samples 128 --max-seq-len 512 --repeats 1 --no-warmup > $L/bq.log 2>&1; stamp "bench_quantize rc=$?" ) &
   a=$!
   ( export CUDA_VISIBLE_DEVICES=1
     t=
     if [ $shape = llama3-8b ]; then
-      VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m quantpipe run --stage-timeout 8 recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
+      VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m quantpipe run --stage-timeout 8 bench/recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
       t=$!
     fi
     python3 -m quantpipe run --stage-timeout 8 $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
@@ -173,7 +171,8 @@ compile-links)
   VLLM_USE_FLASHINFER_SAMPLER=0 python3 - "${OUT:-/tmp/qp/links-check}" <<'PY'
 import json, os, re, shutil, sys
 from pathlib import Path
-from quantpipe.server import Server, stable_path
+from quantpipe.server import Server
+from quantpipe.serving_links import stable_path
 out = Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True)
 rows = []
 for n, links in ((1, "links"), (2, "links-control"), (3, "links")):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Print the Markdown tables of docs/BENCHMARKS.md from one run's run.json (nothing else is read).
 
-    python scripts/bench_tables.py docs/h200/2026-11-30-s5/runs/h200-llama3-8b-full-20261130-190111-12681.json
+    python bench/bench_tables.py docs/records/2026-11-30-llama3-8b-recipe-2xh200/runs/h200-llama3-8b-full-20261130-190111-12681.json
 
 Per stage: the runner's wall time of the stage when it was built (`stage_wall_s`, a cache hit keeps the
 figure of its build), the stage function's own time and its split, peak RSS and peak GPU memory.

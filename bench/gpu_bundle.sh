@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Build .gpu/, everything scripts/h200_run.sh needs carried to an offline GPU host, from scratch:
+# Build .gpu/, everything bench/h200_run.sh needs carried to an offline GPU host, from scratch:
 #   vllm/ llmc/ extra/   wheel bundles in carry folders of <= 56 MiB (../shared/gpu/bundle.sh)
 #   tok/                 the tiny models' tokenizer, for the shaped 8B / 7B models
 #   tiny/                the tiny trained Llama, its LoRA, data and lm-eval tasks (make tiny)
 #   qp/                  a `git archive` of HEAD, with .git_commit
 #
-#   scripts/gpu_bundle.sh [SHARED_GPU_DIR]      (default ../shared/gpu; needs pip and network to PyPI here)
+#   bench/gpu_bundle.sh [SHARED_GPU_DIR]        (default ../shared/gpu; needs pip and network to PyPI here)
 # Re-run it after every commit that should travel (qp/ only changes then; the wheels are kept).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +15,9 @@ shared=${1:-../shared/gpu}
 [ -d .gpu/llmc/part1 ] || bash "$shared/bundle.sh" "$shared/llmcompressor-0.14.0.1.txt" .gpu/llmc
 # extra/ is one folder (lm-eval and what it needs, ~13 MB). Python 3.12 wheels where PyPI has them;
 # rouge_score is an sdist only, built here into a pure-Python wheel.
-if [ ! -e .gpu/extra/lm_eval-0.4.13-py3-none-any.whl ] || [ scripts/gpu/extra.txt -nt .gpu/extra ]; then
+if [ ! -e .gpu/extra/lm_eval-0.4.13-py3-none-any.whl ] || [ bench/gpu/extra.txt -nt .gpu/extra ]; then
   tmp=$(mktemp -d)
-  grep -v -E '^\s*(#|$)' scripts/gpu/extra.txt | while read -r req; do
+  grep -v -E '^\s*(#|$)' bench/gpu/extra.txt | while read -r req; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$tmp" "$req" 2>/dev/null \
       || python3 -m pip wheel -q --no-deps -w "$tmp" "$req"
