@@ -1,8 +1,11 @@
-"""The data a recipe names, read before anything runs: calibration and validation rows, adapters against the base.
+"""The data a recipe names, read before anything runs: calibration and validation rows, adapters against the base,
+the model's config.json and tokenizer against the recipe (`quantpipe.fit`), lm-eval's task names (`quantpipe.lm_tasks`),
+and where the run writes (`quantpipe.places`).
 
-`recipe.load` checks that the files exist; this reads them as the stages will, without torch, so a
-bad row or an adapter trained on another model is bad input (exit 2, the file and line named) in
-`quantpipe check` and before `quantpipe run` writes anything, not a stage failure an hour in:
+`recipe.load` checks the recipe itself and that the files exist; this reads them as the stages will, without
+torch, so a bad row, an adapter trained on another model, a group size the model's layers cannot take or a
+misspelt task is bad input (exit 2, the field or file and line named) in `quantpipe check` and before
+`quantpipe run` writes anything, not a stage failure an hour in:
 
     from quantpipe.inputs import problems
     problems(recipe)   # -> [] or ["data/val.jsonl:7: `reference` must be a non-empty string (metric exact_match)", ...]
@@ -12,39 +15,77 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
+
+from .common.hf_config import read_config, text_part
+from .common.safetensors import read_header, tensors
 
 ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 LORA_TENSOR = re.compile(r"layers\.(\d+)\..*?\b(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)\b")
 
 
 def problems(recipe) -> list[str]:
-    """Every problem found in the recipe's local calibration, validation and adapter files."""
+    """Every problem found in the places the recipe writes and the local files it reads."""
+    from . import fit, lm_tasks, places
+
+    out = places.problems(recipe)
+    needs_template = _data_problems(recipe, out)
+    model_dir = Path(recipe.base.model) if recipe.base.is_local else _hub_snapshot(recipe)
+    if recipe.base.is_local:
+        for i, a in enumerate(recipe.adapters):
+            msg = adapter_mismatch(Path(a.path), model_dir)
+            if msg:
+                out.append(f"adapters.{i}.path: {a.path} {msg}")
+    if model_dir is not None:
+        out += fit.problems(recipe, model_dir)
+        out += fit.chat_template_problems(recipe, model_dir, needs_template)
+    out += lm_tasks.problems(recipe)
+    return out
+
+
+def _data_problems(recipe, out: list[str]) -> list[str]:
+    """Append the calibration and validation files' problems to `out`; return what of them needs a chat template."""
     from . import calibration
     from .stages import StageError
     from .stages.evaluate import load_validation
 
-    try:
-        out = calibration.check(recipe.calibration)
-    except OSError as e:  # e.g. no permission to read it
-        out = [f"calibration: cannot read {e.filename} ({e.strerror}); fix its permissions or the path"]
-    v = recipe.evaluation.validation
+    needs = []
+    c = recipe.calibration
+    local = [s for s in c.sources if s.path] if c else []
+    if local:
+        try:
+            rows, _ = calibration.select(c.model_copy(update={"sources": local}))
+            if any(r.messages is not None for r in rows):
+                needs.append("calibration.sources (rows with `messages`)")
+        except StageError as e:
+            out.append(str(e))
+        except OSError as e:  # e.g. no permission to read it
+            out.append(f"calibration: cannot read {e.filename} ({e.strerror}); fix its permissions or the path")
+    le, v = recipe.evaluation.lm_eval, recipe.evaluation.validation
+    if le is not None and le.apply_chat_template:
+        needs.append("evaluation.lm_eval.apply_chat_template")
     if v is not None:
         try:
-            load_validation(v.path, v.metric, v.json_schema)
+            if any("messages" in r for r in load_validation(v.path, v.metric, v.json_schema)):
+                needs.append("evaluation.validation.path (rows with `messages`)")
         except StageError as e:
             out.append(str(e))
         except UnicodeDecodeError:
             out.append(f"{v.path}:{_first_bad_utf8_line(Path(v.path))}: not UTF-8 text; re-encode the file as UTF-8")
         except OSError as e:
             out.append(f"evaluation.validation.path: cannot read {v.path} ({e.strerror})")
-    if recipe.base.is_local:
-        for i, a in enumerate(recipe.adapters):
-            msg = adapter_mismatch(Path(a.path), Path(recipe.base.model))
-            if msg:
-                out.append(f"adapters.{i}.path: {a.path} {msg}")
-    return out
+    return needs
+
+
+def _hub_snapshot(recipe) -> Path | None:
+    """The local copy of a hub model's files where the hub cache already holds its config.json (no network), else None."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        p = try_to_load_from_cache(recipe.base.model, "config.json", revision=recipe.base.revision)
+    except Exception:  # noqa: BLE001 - no huggingface_hub, an id it refuses: nothing to read before the download
+        return None
+    return Path(p).parent if isinstance(p, str) else None
 
 
 def _first_bad_utf8_line(p: Path) -> int:
@@ -56,14 +97,6 @@ def _first_bad_utf8_line(p: Path) -> int:
     return 1
 
 
-def _config(d: Path) -> dict | None:
-    try:
-        c = json.loads((d / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return c if isinstance(c, dict) else None
-
-
 def adapter_mismatch(adapter: Path, model: Path) -> str | None:
     """Why a LoRA adapter does not fit the base model (its recorded base model's config, its tensor shapes), or None.
     What cannot be read here is left to the merge stage, which checks the same with the model built."""
@@ -73,18 +106,18 @@ def adapter_mismatch(adapter: Path, model: Path) -> str | None:
         return "has an adapter_config.json that is not valid JSON; re-save the adapter with peft"
     if not isinstance(conf, dict):
         return "has an adapter_config.json that is not a JSON object; re-save the adapter with peft"
-    ours = _config(model)
+    ours = read_config(model)
     if ours is None:
         return None
-    o = ours.get("text_config") if isinstance(ours.get("text_config"), dict) else ours
+    o = text_part(ours)
     theirs_dir = conf.get("base_model_name_or_path")
     try:
         local = isinstance(theirs_dir, str) and theirs_dir and (Path(theirs_dir) / "config.json").is_file() and Path(theirs_dir).resolve() != model.resolve()
     except (OSError, RuntimeError):  # a name too long, a symlink loop: not a local model to compare with
         local = False
     if local:
-        theirs = _config(Path(theirs_dir)) or {}
-        t = theirs.get("text_config") if isinstance(theirs.get("text_config"), dict) else theirs
+        theirs = read_config(Path(theirs_dir)) or {}
+        t = text_part(theirs)
         diff = [f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}"] if theirs.get("model_type") != ours.get("model_type") else []
         diff += [f"{k} {t[k]} vs {o[k]}" for k in ARCH_FIELDS if k in t and k in o and t[k] != o[k]]
         if diff:
@@ -104,12 +137,10 @@ def _shape_mismatch(st: Path, c: dict) -> str | None:
     dims = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
             "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
     try:
-        with open(st, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n)) if 0 < n < 100 * 2**20 else {}
-    except (OSError, ValueError, struct.error):
+        header = tensors(read_header(st))
+    except (OSError, ValueError):
         return None
-    for key, info in header.items() if isinstance(header, dict) else ():
+    for key, info in header.items():
         m = LORA_TENSOR.search(key)
         shape = info.get("shape") if isinstance(info, dict) else None
         if not m or not isinstance(shape, list) or len(shape) != 2:

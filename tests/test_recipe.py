@@ -160,6 +160,38 @@ def test_shipped_recipes_match_the_schema(name):
     assert r.artifacts
 
 
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_shipped_recipes_pass_the_checks_their_missing_files_allow(name):
+    """Beyond the schema: their lm-eval tasks exist in the installed lm-eval (built-in ones, or in their include_path where it
+    exists here), and their output and cache directories are apart from their inputs. Where every file they name is here
+    (demo.yaml after `make tiny`), the whole `quantpipe check` passes."""
+    from quantpipe import lm_tasks, places
+
+    r = load(REPO / "recipes" / name, check_files=False)
+    assert places.problems(r) == []
+    le = r.evaluation.lm_eval
+    if le and (le.include_path is None or Path(le.include_path).is_dir()):
+        assert lm_tasks.problems(r) == []
+    try:
+        load(REPO / "recipes" / name)
+    except RecipeError:
+        return  # names a model, adapter or data set that is not on this machine
+    res = CliRunner().invoke(main, ["check", str(REPO / "recipes" / name)])
+    assert res.exit_code == 0, res.output
+
+
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
+    text = "name: t\noutput_dir: out\nbase:\n  model: m\n  dtype: bfloat16\n  dtype: float16\nartifacts: [{name: f, method: fp8, name: g}]\n"
+    with pytest.raises(RecipeError) as e:
+        parse(text, tmp_path, check_files=False)
+    assert "base.dtype is written twice (lines 5 and 6)" in str(e.value)
+    assert "artifacts.0.name is written twice (line 7, columns 14 and 36)" in str(e.value)
+    # anchors and merge keys are not duplicates: `<<` brings keys in, and a key after it overrides them
+    ok = "x: &b {model: m}\nname: t\noutput_dir: out\nbase: {<<: *b, model: m2}\nartifacts: [{name: f, method: fp8}]\n"
+    with pytest.raises(RecipeError, match="x: unknown key"):
+        parse(ok, tmp_path, check_files=False)
+
+
 def test_dry_run_writes_nothing(fake, monkeypatch):
     monkeypatch.setenv("QUANTPIPE_CACHE", str(fake / "cache"))
     res = CliRunner().invoke(main, ["run", "--dry-run", str(write(fake, good(fake)))])

@@ -1,0 +1,200 @@
+"""Do the recipe's lm-eval tasks exist? Asked of lm-eval's own task files and YAML loader, in about a second, before anything runs.
+
+The evaluate stage runs lm-eval in the quantize environment (backend hf) or the serve environment
+(backend vllm); both pin the lm_eval this CLI's environment has (scripts/envs/*.lock), so the names
+found here are the ones the stage will find. Two costs are avoided: lm-eval's full index parses
+~14,000 YAML files (~11 s on a 2-core machine), and `import lm_eval.tasks` imports datasets and
+pandas (~2 s). So the recipe's include_path is indexed with lm-eval's own YAML loader (includes and
+`!function` tags as lm-eval reads them, functions never imported) under the rule of lm-eval's
+TaskIndex (`lm_eval/tasks/_index.py`, mirrored for the versions in MIRRORED and tested against it);
+a name not there is looked for only in the built-in task files whose text names it, and lm-eval's
+full TaskManager is built only when that cannot decide. Unknown names come with the nearest ones:
+
+    from quantpipe.lm_tasks import problems
+    problems(recipe)   # -> ["evaluation.lm_eval.tasks: unknown task 'tiny_fact_mc' (did you mean 'tiny_facts_mc'?); ..."]
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+MIRRORED = ("0.4.13",)  # lm-eval versions whose TaskIndex rule `_register` follows (tests/test_refuse.py compares them)
+IGNORE_DIRS = {"__pycache__", ".ipynb_checkpoints"}
+NAME_LINE = re.compile(r"^\s*(?:task|group|tag)\s*:\s*['\"]?([\w\-.]+)", re.M)  # for suggestions only
+
+
+@dataclass
+class Entry:
+    kind: str  # TASK, PY_TASK, GROUP or TAG, as lm-eval's Kind
+    cfg: dict | None = None
+    tags: set = field(default_factory=set)  # a tag's tasks
+
+
+def _register(cfg: dict, index: dict) -> None:
+    """What one task YAML defines, as lm-eval's TaskIndex.process_cfg registers it (the first of a name wins)."""
+    kind = "PY_TASK" if "class" in cfg else "GROUP" if "group" in cfg else "TASK" if "task" in cfg else None
+    if kind is None:
+        raise ValueError(f"unknown config shape: keys={list(cfg)}")
+    name = cfg["group"] if kind == "GROUP" else cfg["task"]
+    if name in index:
+        return
+    index[name] = Entry(kind, cfg)
+    tags = cfg.get("tag") if kind != "GROUP" else None
+    for tag in (tags if isinstance(tags, list) else [tags]) if tags else []:
+        index.setdefault(tag, Entry("TAG")).tags.add(name)
+
+
+def _yaml_files(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("**/*.yaml") if not any(part in IGNORE_DIRS for part in p.parts)), key=lambda p: p.as_posix())
+
+
+def light_index(files, load_yaml) -> dict[str, Entry]:
+    """{name: Entry} of tasks, groups and tags defined in these YAML files (lm-eval skips a file it cannot read; so do we)."""
+    index: dict[str, Entry] = {}
+    for f in files:
+        try:
+            _register(load_yaml(Path(f), resolve_func=False, recursive=True), index)
+        except Exception as e:  # noqa: BLE001 - as TaskIndex.build: any unreadable file is skipped
+            log.debug("skip %s (%s)", f, e)
+    return index
+
+
+def _lm_eval_yaml_loader():
+    """lm-eval's task-YAML loader module, loaded from its file so that lm_eval.tasks (and datasets) is not imported."""
+    spec = importlib.util.find_spec("lm_eval")  # a top-level package: found, not imported
+    path = Path(spec.origin).parent / "tasks" / "_yaml_loader.py"
+    s = importlib.util.spec_from_file_location("quantpipe._lm_eval_yaml_loader", path)
+    mod = importlib.util.module_from_spec(s)
+    s.loader.exec_module(mod)
+    return mod
+
+
+class TaskNames:
+    """The names lm-eval knows (tasks, groups, tags), indexed as lazily as the recipe allows."""
+
+    def __init__(self, include_path: str | None):
+        spec = importlib.util.find_spec("lm_eval")
+        if spec is None:
+            raise ImportError("lm_eval is not installed")
+        self.defaults = Path(spec.origin).parent / "tasks"
+        self.include_path = include_path
+        self.light = importlib.metadata.version("lm_eval") in MIRRORED
+        self._texts: dict[str, bytes] | None = None
+        self._full = False
+        if not self.light:
+            self._full_index(include_defaults=False)
+            self._full = False
+            return
+        self.load_yaml = _lm_eval_yaml_loader().load_yaml
+        self.index = light_index(_yaml_files(Path(include_path)), self.load_yaml) if include_path else {}
+
+    def _full_index(self, include_defaults: bool = True) -> None:
+        from lm_eval.tasks import TaskManager
+
+        tm = TaskManager(include_path=self.include_path, include_defaults=include_defaults)
+        self.index = {k: Entry(e.kind.name, e.cfg, set(e.tags)) for k, e in tm.task_index.items()}
+        self._full = include_defaults
+
+    def _default_texts(self) -> dict[str, bytes]:
+        if self._texts is None:
+            self._texts = {}
+            for dirpath, dirnames, filenames in os.walk(self.defaults):
+                dirnames[:] = sorted(d for d in dirnames if d not in IGNORE_DIRS)
+                for f in filenames:
+                    if f.endswith(".yaml"):
+                        p = os.path.join(dirpath, f)
+                        try:
+                            with open(p, "rb") as fh:
+                                self._texts[p] = fh.read()
+                        except OSError:
+                            continue
+        return self._texts
+
+    def known(self, name: str) -> bool:
+        if name in self.index:
+            return True
+        if self._full:
+            return False
+        if self.light:
+            token = re.compile(rb"(?<![\w.-])" + re.escape(name.encode()) + rb"(?![\w.-])")
+            files = [p for p, t in self._default_texts().items() if token.search(t)]
+            if not files:
+                return False  # every name lm-eval registers is written out in some task YAML
+            found = light_index(sorted(files, key=lambda p: Path(p).as_posix()), self.load_yaml)
+            self.index = {**found, **self.index}  # include_path wins, as in lm-eval
+            if name in self.index:
+                return True
+        self._full_index()  # e.g. a tag set in an included template: only the full index can tell
+        return name in self.index
+
+    def suggestions(self, name: str) -> list[str]:
+        names = set(self.index)
+        for t in self._default_texts().values():
+            names.update(NAME_LINE.findall(t.decode("utf-8", "replace")))
+        return difflib.get_close_matches(name, sorted(names), 3)
+
+    def leaves(self, name: str, depth: int = 0) -> set[str] | None:
+        """The name and every task or group below it (what lm-eval reports results under); None when not all known."""
+        e = self.index.get(name)
+        if e is None or depth > 8:
+            return None
+        if e.kind == "TAG":
+            children = sorted(e.tags)
+        elif e.kind == "GROUP":
+            raw = (e.cfg or {}).get("task") or []
+            children = [c if isinstance(c, str) else (c.get("task") or c.get("group")) if isinstance(c, dict) else None
+                        for c in (raw if isinstance(raw, list) else [raw])]
+        else:
+            return {name}
+        out = {name}
+        for c in children:
+            sub = self.leaves(c, depth + 1) if isinstance(c, str) and self.known(c) else None
+            if sub is None:
+                return None
+            out |= sub
+        return out
+
+
+def problems(recipe) -> list[str]:
+    """Unknown lm-eval task names (with lm-eval's nearest ones), and per-task gates that name no evaluated task."""
+    le = recipe.evaluation.lm_eval
+    if le is None:
+        return []
+    try:
+        names = TaskNames(le.include_path)
+    except ImportError:  # a CLI installed without lm-eval: the evaluate stage checks the names itself
+        return []
+    except Exception as e:  # noqa: BLE001 - a task folder lm-eval cannot index at all
+        return [f"evaluation.lm_eval.include_path: lm-eval cannot index {le.include_path} ({type(e).__name__}: {e}); fix the task files"]
+    out = []
+    unknown = [t for t in le.tasks if not names.known(t)]
+    if unknown:
+        hints = []
+        for t in unknown:
+            close = names.suggestions(t)
+            hints.append(f"{t!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
+        where = f"evaluation.lm_eval.include_path ({le.include_path})" if le.include_path else "evaluation.lm_eval.include_path (not set)"
+        out.append(f"evaluation.lm_eval.tasks: unknown task {', '.join(hints)}; lm-eval knows its built-in tasks and the YAML "
+                   f"files in {where}: fix the name or add the task's YAML there")
+        return out
+    per_task = recipe.evaluation.gates.min_recovery_per_task
+    if per_task:
+        allowed: set[str] | None = {"validation"} if recipe.evaluation.validation else set()
+        for t in le.tasks:
+            sub = names.leaves(t)
+            allowed = None if sub is None or allowed is None else allowed | sub
+        stray = sorted(set(per_task) - allowed) if allowed is not None else []
+        if stray:
+            close = {s: difflib.get_close_matches(s, sorted(allowed), 1) for s in stray}
+            out.append("evaluation.gates.min_recovery_per_task: " + ", ".join(
+                f"{s!r}" + (f" (did you mean {close[s][0]!r}?)" if close[s] else "") for s in stray)
+                + f" is not among the evaluated tasks ({', '.join(sorted(allowed))}); the gate would fail every artifact: fix the name")
+    return out

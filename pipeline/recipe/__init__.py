@@ -1,0 +1,22 @@
+"""The recipe: one strict schema for everything `quantpipe run` does.
+
+A recipe is YAML read safely (a key written twice is an error), validated by the pydantic v2 models
+of `schema.py` and `methods.py` (unknown keys are errors), with relative paths resolved against the
+recipe file's folder (`load.py`). `quantpipe schema` prints the JSON schema; `quantpipe check RECIPE`
+validates without running anything, the files it names included (`quantpipe.inputs`):
+
+    quantpipe check recipes/demo.yaml
+"""
+
+from .load import MAX_RECIPE_BYTES, RecipeError, json_schema, load, parse
+from .methods import AWQ, FP8, GPTQ, GROUPED, METHODS, NAME, RTN, Artifact, Strict, W8A8Int8, _legacy_options, group_sizes
+from .schema import (
+    HUB_ID, SLO, Adapter, Base, Benchmark, Calibration, CalibrationSource, Engine, Evaluation, Gates, LmEval, Package, Recipe,
+    Validation, Variant, Workload,
+)
+
+__all__ = [
+    "AWQ", "FP8", "GPTQ", "GROUPED", "HUB_ID", "MAX_RECIPE_BYTES", "METHODS", "NAME", "RTN", "SLO", "Adapter", "Artifact", "Base",
+    "Benchmark", "Calibration", "CalibrationSource", "Engine", "Evaluation", "Gates", "LmEval", "Package", "Recipe", "RecipeError",
+    "Strict", "Validation", "Variant", "W8A8Int8", "Workload", "_legacy_options", "group_sizes", "json_schema", "load", "parse",
+]

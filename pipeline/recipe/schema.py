@@ -1,0 +1,295 @@
+"""The recipe's schema: pydantic v2 models, strict (unknown keys are errors), with the defaults a user would pick.
+
+Everything here is checked from the recipe alone; what needs the files it names (their rows, the
+model's config.json, lm-eval's task index) is checked by `quantpipe.inputs` before anything runs.
+The quantization methods live in `methods.py`. `quantpipe schema` prints the JSON schema:
+
+    from quantpipe.recipe import Recipe
+    Recipe.model_validate({"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]})
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from .methods import NAME, Artifact, Strict
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _repeated(names) -> list[str]:
+    names = list(names)
+    return sorted({n for n in names if names.count(n) > 1})
+
+
+# --- model and adapters -----------------------------------------------------------------------
+
+
+class Base(Strict):
+    model: str = Field(description="Local model directory, or a hub id (org/name) where a network is available.")
+    revision: str | None = Field(None, description="Hub revision (hub ids only).")
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    trust_remote_code: bool = Field(False, description="Run modelling code shipped with the model. Off unless you trust it.")
+    allow_pickle: bool = Field(False, description="Accept pickle (.bin) weights. Off: only safetensors load.")
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.model).exists() or not HUB_ID.match(self.model)
+
+
+class Adapter(Strict):
+    path: str = Field(description="LoRA adapter directory (adapter_config.json + adapter_model.safetensors).")
+    weight: float = Field(1.0, gt=0, le=10, description="Scale applied to this adapter when merging.")
+
+
+# --- calibration ------------------------------------------------------------------------------
+
+
+class CalibrationSource(Strict):
+    path: str | None = Field(None, description="Local .jsonl, .json or .parquet file with a `text` field or chat `messages`.")
+    dataset: str | None = Field(None, description="Hub dataset id (needs a network).")
+    split: str = "train"
+    column: str | None = Field(None, description="Field holding the text (default: `text`, or `messages` for chat).")
+    weight: float = Field(1.0, gt=0, description="Share of the samples drawn from this source.")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.path is None) == (self.dataset is None):
+            raise ValueError("give exactly one of `path` (a local file) or `dataset` (a hub dataset id)")
+        return self
+
+
+class Calibration(Strict):
+    sources: list[CalibrationSource] = Field(min_length=1)
+    num_samples: int = Field(128, ge=1, le=100_000)
+    max_seq_len: int = Field(512, ge=8, le=131_072)
+    seed: int = 0
+    shuffle: bool = True
+    chat_template: Literal["auto", "always", "never"] = Field(
+        "auto", description="Apply the model's chat template to `messages` rows (auto: when the row has messages)."
+    )
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+class LmEval(Strict):
+    tasks: list[str] = Field(min_length=1)
+    include_path: str | None = Field(None, description="Folder of local task YAMLs (offline tasks).")
+    num_fewshot: int | None = Field(None, ge=0, le=64)
+    limit: int | None = Field(None, ge=1, description="Examples per task (None: all).")
+    batch_size: int = Field(8, ge=1)
+    apply_chat_template: bool = False
+    seed: int = 1234
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vllm backend on a GPU: the share of GPU memory its engine reserves (None: vLLM's 0.9). Lower it to share the GPU.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _once_each(cls, v: list[str]) -> list[str]:
+        if _repeated(v):
+            raise ValueError(f"{', '.join(_repeated(v))} listed more than once; list each task once")
+        return v
+
+    @model_validator(mode="after")
+    def _gpu_share_needs_vllm(self):
+        if self.gpu_memory_utilization is not None and self.backend == "hf":
+            raise ValueError("gpu_memory_utilization applies to the vllm backend only; remove it, or set backend: vllm (or auto)")
+        return self
+
+
+class Validation(Strict):
+    path: str = Field(description="JSONL with `prompt` (or chat `messages`) and `reference` per row.")
+    metric: Literal["exact_match", "contains", "regex", "json_valid"] = "exact_match"
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    stop: list[str] = Field(default_factory=list, description="Cut each output at the first of these strings (e.g. [\"\\n\"]) before scoring.")
+    json_schema: str | None = Field(None, description="JSON schema file the output must match (metric json_valid).")
+
+
+class Gates(Strict):
+    min_recovery: float | None = Field(None, gt=0, le=2, description="Every task metric: artifact/baseline at least this.")
+    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(default_factory=dict)
+    max_kl: float | None = Field(None, ge=0, description="Mean next-token KL divergence vs the baseline at most this.")
+    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+
+
+class Evaluation(Strict):
+    lm_eval: LmEval | None = None
+    validation: Validation | None = None
+    add_bos: bool | None = Field(
+        None, description="Prepend BOS to raw-text prompts (lm-eval, validation, fidelity). None: the tokenizer's own rule, as vLLM and lm-eval do."
+    )
+    gates: Gates = Gates()
+    bootstrap_samples: int = Field(1000, ge=100, le=100_000)
+
+    @model_validator(mode="after")
+    def _gates_can_be_checked(self):
+        # A gate with nothing to measure would fail every artifact after the whole run (quantpipe.common.gates): say so now.
+        g = self.gates
+        if self.validation is None:
+            for key in ("max_kl", "min_top1_agreement"):
+                if getattr(g, key) is not None:
+                    raise ValueError(f"gates.{key} compares next-token distributions on the validation prompts: add evaluation.validation, or remove the gate")
+        if self.lm_eval is None and self.validation is None and (g.min_recovery is not None or g.min_recovery_per_task):
+            raise ValueError("gates.min_recovery needs something evaluated: add evaluation.lm_eval or evaluation.validation, or remove the gate")
+        if self.lm_eval is None:
+            stray = sorted(set(g.min_recovery_per_task) - {"validation"})
+            if stray:
+                raise ValueError(f"gates.min_recovery_per_task names {', '.join(map(repr, stray))}, but no lm_eval task runs "
+                                 "(without evaluation.lm_eval the only task is 'validation'); fix the name or add the task")
+        return self
+
+
+# --- benchmark --------------------------------------------------------------------------------
+
+
+class Engine(Strict):
+    max_model_len: int | None = Field(None, ge=16)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=16)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    enable_prefix_caching: bool | None = None
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    enforce_eager: bool | None = None
+    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20, description="CPU backend: KV-cache size.")
+    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` flags, passed as given.")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_quantization_flag(cls, v: list[str]) -> list[str]:
+        fields = {f.replace("_", "-"): f for f in cls.model_fields if f != "extra_args"}
+        for a in v:
+            if a.split("=")[0] in ("--quantization", "-q", "--host"):
+                raise ValueError(f"{a.split('=')[0]} is set by quantpipe (vLLM detects quantization from the artifact)")
+            # vLLM's parser reads --max_model_len as --max-model-len, and the last of two flags wins: one place for each
+            flag = a.split("=")[0].replace("_", "-")
+            name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag.removeprefix("--")
+            if flag.startswith("--") and name in fields:
+                raise ValueError(f"{a.split('=')[0]} is an engine field: set `{fields[name]}` in the engine instead "
+                                 "(quantpipe reads it to check workloads and estimate memory)")
+        return v
+
+
+class Variant(Strict):
+    name: str
+    engine: Engine
+
+
+class Workload(Strict):
+    name: str
+    kind: Literal["fixed", "validation", "shared_prefix"] = "fixed"
+    input_len: int = Field(128, ge=1)
+    output_len: int = Field(64, ge=1)
+    prefix_len: int = Field(0, ge=0, description="shared_prefix: tokens of common system prompt.")
+    num_prompts: int = Field(32, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _lengths_fit_the_kind(self):
+        if self.kind == "shared_prefix" and self.prefix_len == 0:
+            raise ValueError("kind shared_prefix needs prefix_len (the shared system prompt's tokens, at least 1); set it, or use kind fixed")
+        if self.kind != "shared_prefix" and self.prefix_len:
+            raise ValueError(f"prefix_len applies to kind shared_prefix only; remove it, or set kind: shared_prefix (this one is {self.kind})")
+        # compared with the default, not with the fields set, so that a dumped recipe validates again as it was
+        if self.kind == "validation" and self.input_len != type(self).model_fields["input_len"].default:
+            raise ValueError("input_len does not apply to kind validation (its prompts are the validation set's); remove it")
+        return self
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The longest sequence (prompt + output) it sends; None for kind validation (the prompts' own lengths)."""
+        if self.kind == "validation":
+            return None
+        return self.prefix_len + self.input_len + self.output_len
+
+
+class SLO(Strict):
+    ttft_p99_ms: float | None = Field(None, gt=0)
+    tpot_p99_ms: float | None = Field(None, gt=0)
+    e2el_p99_ms: float | None = Field(None, gt=0)
+
+
+class Benchmark(Strict):
+    enabled: bool = True
+    engine: Engine = Engine()
+    variants: list[Variant] = Field(default_factory=list, description="Engine-argument variants measured beside `engine`.")
+    workloads: list[Workload] = Field(default_factory=lambda: [Workload(name="fixed")])
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
+    slo: SLO = SLO()
+    offline: bool = Field(True, description="Also measure offline batch-1 latency and throughput.")
+    lora: bool = Field(True, description="With adapters: also serve base + adapter at request time.")
+    seed: int = 0
+
+    @field_validator("concurrency")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(c < 1 for c in v):
+            raise ValueError("concurrency must be a non-empty list of positive integers, e.g. [1, 4, 16]")
+        return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _unique_names(self):
+        # results are keyed by variant and workload name (runs/, report, compare)
+        dup = _repeated(w.name for w in self.workloads)
+        if dup:
+            raise ValueError(f"workload names must be unique; repeated: {', '.join(dup)}")
+        dup = _repeated(["default"] + [v.name for v in self.variants])
+        if dup:
+            raise ValueError(f"variant names must be unique and not 'default' (the name of `engine` itself); repeated: {', '.join(dup)}")
+        return self
+
+
+# --- packaging --------------------------------------------------------------------------------
+
+
+class Package(Strict):
+    enabled: bool = True
+    max_shard_size: str = Field("5GB", pattern=r"^\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)$")
+    license: str | None = Field(None, description="Default: carried from the base model's card.")
+
+
+# --- the recipe -------------------------------------------------------------------------------
+
+
+class Recipe(Strict):
+    name: str = Field(description="Name of this build; used in run ids and reports.")
+    notes: str | None = Field(None, min_length=1, max_length=2000, description="Shown at the top of the report and of each package's model card: what a reader must know about this build (e.g. that the weights are random, so accuracy figures mean nothing).")
+    output_dir: str = Field(description="Where runs, packages and reports go (relative to the recipe file).")
+    cache_dir: str | None = Field(None, description="Stage cache (default: $QUANTPIPE_CACHE or ~/.cache/quantpipe).")
+    base: Base
+    adapters: list[Adapter] = Field(default_factory=list)
+    calibration: Calibration | None = None
+    artifacts: list[Artifact] = Field(min_length=1)
+    evaluation: Evaluation = Evaluation()
+    benchmark: Benchmark = Benchmark()
+    package: Package = Package()
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        if not NAME.match(v):
+            raise ValueError(f"recipe name {v!r} must be 1-64 of a-z, 0-9, '-', '_', '.'")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        names = [a.name for a in self.artifacts]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"artifact names must be unique; repeated: {', '.join(sorted(dup))}")
+        if "baseline" in names:
+            raise ValueError("'baseline' is reserved for the unquantized merged model; rename that artifact")
+        needs_cal = [a.name for a in self.artifacts if not (a.method == "fp8" and a.mode != "static") and a.method != "rtn"]
+        if needs_cal and self.calibration is None:
+            raise ValueError(f"artifacts {', '.join(needs_cal)} need calibration data: add a `calibration:` section")
+        if self.benchmark.enabled and self.evaluation.validation is None:
+            bad = [w.name for w in self.benchmark.workloads if w.kind == "validation"]
+            if bad:
+                raise ValueError(f"workload {bad[0]!r} has kind validation, which sends the validation set's prompts, but "
+                                 "evaluation.validation is not set; add it, or use kind fixed")
+        return self
