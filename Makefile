@@ -4,7 +4,7 @@
 PY := .venv/quantize/bin/python
 QP := .venv/quantize/bin/quantpipe
 
-.PHONY: setup setup-legacy tiny demo test test-long test-all test-fast clean
+.PHONY: setup setup-legacy tiny demo test test-long test-all test-fast lint clean
 
 setup:
 	scripts/setup_envs.sh
@@ -31,6 +31,11 @@ test-all: tiny
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+# ruff: lint and format check (pyproject.toml holds its settings)
+lint: setup
+	"$$(cat .venv/quantize/.shared)/bin/ruff" check pipeline tests scripts bench
+	"$$(cat .venv/quantize/.shared)/bin/ruff" format --check pipeline tests scripts bench
 
 clean:
 	rm -rf out .pytest_cache

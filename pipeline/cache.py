@@ -173,7 +173,7 @@ class StageCache:
 
         `full` re-hashes a file only when its modification time differs from the one recorded at
         commit (any write changes it), unless $QUANTPIPE_VERIFY=full: re-hashing an 8B model's 16 GB
-        on every use cost 13 s per hit on the H200, more than the 2 % a re-run may take."""
+        on every use costs ~13 s per hit on an H200 host, a large share of an unchanged re-run."""
         out = self.entry(stage, key) / "out"
         every = os.environ.get("QUANTPIPE_VERIFY") == "full"
         problems = []

@@ -36,16 +36,20 @@ def _console():
 
 
 def _load(path: str):
-    """The recipe, with its calibration, validation and adapter files read as the stages will: a bad row is bad input."""
+    """The recipe, checked against everything knowable before a stage runs: its schema, the files it names (rows read as the
+    stages will), the model's config.json and tokenizer, lm-eval's task names, and where the run writes. Bad input exits 2."""
     try:
         r = load(path)
     except RecipeError as e:
         raise BadInput(str(e)) from None
-    from .inputs import problems as data_problems
+    from .inputs import problems as input_problems
 
-    problems = data_problems(r)
+    try:
+        problems = input_problems(r)
+    except OSError as e:  # a path the file system refuses while looking (permissions, a name too long): name it
+        raise BadInput(f"{path}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path") from None
     if problems:
-        raise BadInput(f"{path}: {len(problems)} problem(s) with the files it names:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise BadInput(f"{path}: {len(problems)} problem(s) found before running anything:\n" + "\n".join(f"  - {p}" for p in problems))
     return r
 
 
@@ -93,11 +97,14 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--wait", is_flag=True, help="If another run holds the output directory, wait for it instead of failing.")
 @click.option("--stage-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MINUTES",
               help="Stop any stage that runs longer than this (and its processes); the run goes on with the others and exits non-zero.")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
+              help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting).")
+@click.option("--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them).")
 @click.pass_context
-def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout):
+def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select):
     """Run RECIPE's stages, reusing every cached one."""
     from .envs import EnvError
-    from .runner import KINDS, Runner, RunError
+    from .run.runner import KINDS, Runner, RunError
 
     r = _load(recipe)
     kinds = _csv(stages)
@@ -109,8 +116,11 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout):
     if bad:
         raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
     console = _console()
-    runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"],
-                    stage_timeout_s=stage_timeout * 60 if stage_timeout else None)
+    try:
+        runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"],
+                        stage_timeout_s=stage_timeout * 60 if stage_timeout else None, jobs=jobs, gpu_select=gpu_select)
+    except ValueError as e:  # --gpus naming a GPU this host does not have
+        raise BadInput(str(e)) from None
     try:
         if dry_run:
             from rich.table import Table

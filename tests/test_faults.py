@@ -42,7 +42,7 @@ import pytest
 import yaml
 
 from quantpipe.cache import StageCache
-from quantpipe.server import port_freed, port_in_use
+from quantpipe.ports import port_freed, port_in_use
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = "QUANTPIPE_FAULT_TEST"  # every process a test run starts inherits it
@@ -462,7 +462,7 @@ def test_corrupted_entries_are_named_and_rebuilt(tiny, built, tmp_path, runs):
     assert after["merge"] == before["merge"]  # the rebuild is faithful: same bytes as the first build
     verify_package(tmp_path / "out" / "packages" / "fp8")
     run_log = (r.run_dir() / "run.log").read_text()
-    assert len(re.findall(r"WARNING quantpipe.runner: cache entry \S+ is corrupt", run_log)) == 3
+    assert len(re.findall(r"WARNING quantpipe.run.runner: cache entry \S+ is corrupt", run_log)) == 3
 
 
 # --- a full disk --------------------------------------------------------------------------------------
@@ -580,6 +580,49 @@ def test_a_killed_stage_is_reported_and_the_others_kept(tiny, built, tmp_path, r
     assert gone(r) == []
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_two_stages_at_once_stop_together_and_fail_alone(tiny, built, tmp_path, runs):
+    """With a simulated GPU and --jobs 2, both artifacts quantize at once. SIGTERM of the run then stops both
+    workers' process groups (exit 130, nothing committed, no working folder left); SIGKILL of one worker while
+    the other runs fails that stage alone: the other is built and published; a third run completes."""
+    cache = copy_cache(built.cache, tmp_path / "cache", ("merge",))
+    arts = [{"name": n, "method": "fp8"} for n in ("a", "b")]
+    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", artifacts=arts)
+    env = {"QUANTPIPE_GPUS": "1"}
+
+    def both_quantizing(run: Run):
+        return run.worker("quantize:a") and run.worker("quantize:b") and all(QUANTIZING in _log(run, f"quantize_{n}") for n in "ab")
+
+    r = runs(recipe, "--jobs", "2", label="sigterm-two", env=env)
+    r.until("both quantize stages under way", lambda: both_quantizing(r), every_s=0.05)
+    r.stop(signal.SIGTERM)
+    assert r.wait(60) == 130, r.stderr()[-2000:]
+    assert gone(r) == []
+    assert set(committed(cache)) == {"merge"} and leftovers(cache) == []
+    assert not working(cache, "quantize:a") and not working(cache, "quantize:b")
+
+    k = runs(recipe, "--jobs", "2", label="kill-one", env=env)
+    k.until("both quantize stages under way", lambda: both_quantizing(k), every_s=0.05)
+    wa = k.worker("quantize:a")
+    wa.send_signal(signal.SIGSTOP)
+    wa.kill()
+    assert k.wait() == 1
+    rec = k.record()
+    assert rec["stages"]["quantize:a"]["status"] == "failed" and rec["stages"]["quantize:a"]["error"].startswith("killed by SIGKILL")
+    assert rec["stages"]["quantize:b"]["status"] == "ok" and rec["stages"]["package:b"]["status"] == "ok"
+    a, b = rec["stages"]["quantize:a"], rec["stages"]["quantize:b"]
+    assert a["start_s"] < b["end_s"] and b["start_s"] < a["end_s"], "the two quantize stages did not run at once"
+    assert a["devices"] == b["devices"] == ["0"]  # packed on the one GPU
+    verify_package(tmp_path / "out" / "packages" / "b")
+    assert gone(k) == [] and leftovers(cache) == []
+
+    c = runs(recipe, "--jobs", "2", label="complete", env=env)
+    assert c.wait() == 0, c.stderr()[-3000:]
+    assert states(c.record()) == {"merge": "hit", "quantize:a": "miss", "package:a": "miss", "quantize:b": "hit", "package:b": "hit"}
+    assert gone(c) == []
+
+
 # --- how a dying stage is described (fast) -------------------------------------------------------------
 
 
@@ -606,7 +649,7 @@ def test_out_of_disk_and_memory_are_named_wherever_they_surface(tmp_path):
 
 
 def test_a_stage_killed_by_a_signal_is_described_by_it():
-    from quantpipe.runner import _exit_reason
+    from quantpipe.run.process import exit_reason as _exit_reason
 
     assert _exit_reason(1) == "exit code 1"
     assert _exit_reason(-signal.SIGKILL).startswith("killed by SIGKILL (the kernel's out-of-memory killer")

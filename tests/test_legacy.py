@@ -22,7 +22,7 @@ import yaml
 
 from quantpipe.envs import EnvError, python_for
 from quantpipe.recipe import RecipeError, parse
-from quantpipe.runner import build_steps
+from quantpipe.run.plan import build_steps
 from quantpipe.stages import StageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,7 +121,9 @@ def test_stage_outside_its_environment_says_where_it_runs(tmp_path, backend, met
     out = tmp_path / "q"
     out.mkdir()
     with pytest.raises(StageError, match=rf"backend {backend} runs in the {backend} environment.*scripts/setup_envs.sh legacy"):
-        run(r, tmp_path / "m", out, artifact="a0")
+        from quantpipe.run.plan import stage_input
+
+        run(stage_input("quantize", r, "a0", tmp_path / "m"), tmp_path / "m", out)
     assert not any(out.iterdir())
 
 
@@ -230,5 +232,5 @@ def test_legacy_artifacts_load_generate_and_beat_rtn(built, tiny):
     # Measured, not wished: AutoAWQ 0.2.9 does NOT beat RTN of its scheme (W4 asym g128) on this tiny model
     # (KL ~2.3e-3 vs ~5.7e-4; its own unpacking gives the same figure, so it is the quantizer, not the
     # loader; without its clipping step it is worse still), while llm-compressor's AWQ does
-    # (test_quantize). So only a sanity bound here; README records the figures.
+    # (test_quantize). So only a sanity bound here; docs/BENCHMARKS.md records the figures.
     assert q["awq-legacy"]["kl"] < 10 * q["rtn-asym"]["kl"] and q["awq-legacy"]["top1"] > 0.95, q

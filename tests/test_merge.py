@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from quantpipe.recipe import parse
+from quantpipe.run.plan import stage_input
 from quantpipe.stages import StageError
 from quantpipe.stages.merge import run
 
@@ -30,7 +31,7 @@ def make_recipe(tmp: Path, base: Path, adapters: list[tuple[Path, float]] = ()):
 def merge(tmp: Path, base: Path, adapters: list[tuple[Path, float]] = ()) -> tuple[Path, dict]:
     out = tmp / "merged"
     out.mkdir()
-    return out, run(make_recipe(tmp, base, adapters), base, out, base_dir=str(base))
+    return out, run(stage_input("merge", make_recipe(tmp, base, adapters), None, base), base, out)
 
 
 def read_tensors(path: Path) -> dict:
@@ -62,14 +63,14 @@ def test_base_that_is_an_adapter_is_refused(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     with pytest.raises(StageError, match="is a LoRA adapter, not a model.*adapters"):
-        run(make_recipe(tmp_path, fake), fake, out)
+        run(stage_input("merge", make_recipe(tmp_path, fake), None, fake), fake, out)
 
 
 def test_base_without_config_is_refused(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     with pytest.raises(StageError, match="no config.json"):
-        run(make_recipe(tmp_path, tmp_path), tmp_path, out)
+        run(stage_input("merge", make_recipe(tmp_path, tmp_path), None, tmp_path), tmp_path, out)
 
 
 # --- slow: the tiny models -------------------------------------------------------------------

@@ -12,7 +12,9 @@ import pytest
 
 from quantpipe.recipe import Recipe
 from quantpipe.stages import StageError
-from quantpipe.stages.package import parse_size, run, serve_command, stage_id, verify_package
+from quantpipe.run.plan import stage_input
+from quantpipe.stages.contract import Upstream
+from quantpipe.stages.package import parse_size, run, serve_command, verify_package
 
 ART = "w4"
 EVAL = {
@@ -112,11 +114,23 @@ def model(tmp_path_factory):
     return {"root": root, "base": base, "merged": merged, "quant": quant, "refs": refs, "cache": cache}
 
 
+def _record(out: Path) -> Upstream:
+    """What the runner hands a stage for an upstream entry: its output directory and entry.json's record."""
+    rec = json.loads((out.parent / "entry.json").read_text())
+    return Upstream(out=out, stage=rec.get("stage", "quantize:" + ART), key=rec.get("key", out.parent.name), wall_s=rec.get("wall_s"), metrics=rec["metrics"])
+
+
+def _upstream(model, **extra) -> dict:
+    return {"quantize": _record(model["quant"]), "merged": _record(model["merged"]), **{k: _record(v) for k, v in model["refs"].items()}, **extra}
+
+
 def _package(model, tmp: Path, name: str, notes: str | None = None, **package) -> tuple[Path, dict]:
     out = model["cache"] / "stages" / "package" / ART / f".{name}.tmp-1-2" / "out"
     shutil.rmtree(out.parent, ignore_errors=True)
     out.mkdir(parents=True)
-    metrics = run(_recipe(tmp, model["base"], notes, **package), model["quant"], out, artifact=ART, merged=model["merged"], **model["refs"])
+    recipe = _recipe(tmp, model["base"], notes, **package)
+    own = Upstream(out=out, stage=f"package:{ART}", key=name)
+    metrics = run(stage_input("package", recipe, ART, model["base"]), model["quant"], out, _upstream(model, self=own))
     return out, metrics
 
 
@@ -156,7 +170,7 @@ def test_manifest_records_hashes_keys_and_provenance(pkg):
     assert st["sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() and st["size"] == (out / "model.safetensors").stat().st_size
     assert man["stage_keys"] == {"merge": "m" * 32, f"quantize:{ART}": "q" * 32, f"evaluate:{ART}": "e" * 32, "evaluate:baseline": "f" * 32,
                                  f"benchmark:{ART}": "b" * 32, "benchmark:baseline": "c" * 32, f"package:{ART}": "p" * 32}
-    assert man["recipe"]["artifacts"][0]["name"] == ART and man["trust_remote_code"] is False and man["allow_pickle"] is False
+    assert man["recipe"]["artifact"]["name"] == ART and man["trust_remote_code"] is False and man["allow_pickle"] is False
     assert man["timings_s"][f"quantize:{ART}"] == 3.0
     assert man["hardware"]["cpus"] and "quantize" in man["versions"] and "git_commit" in man["quantpipe"]
 
@@ -263,7 +277,7 @@ def test_refuses_an_unquantized_model(model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(StageError, match="no quantization_config"):
-        run(_recipe(tmp_path, model["base"]), model["base"], out, artifact=ART, merged=model["merged"])
+        run(stage_input("package", _recipe(tmp_path, model["base"]), ART, model["base"]), model["base"], out, {"merged": _record(model["merged"])})
 
 
 def test_verify_without_manifest(tmp_path):
@@ -272,14 +286,10 @@ def test_verify_without_manifest(tmp_path):
     assert verify_package(tmp_path / "nope")[0].endswith("not a directory")
 
 
-def test_parse_size_and_stage_id():
+def test_parse_size_reads_the_units_max_shard_size_allows():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("1.5 KB") == 1500
     with pytest.raises(StageError, match="not a size"):
         parse_size("5 parsecs")
-    assert stage_id(Path("/c/stages/quantize/awq/abc123/out")) == ("quantize:awq", "abc123")
-    assert stage_id(Path("/c/stages/merge/abc123/out")) == ("merge", "abc123")
-    assert stage_id(Path("/c/stages/package/awq/.abc123.tmp-77-99/out")) == ("package:awq", "abc123")
-    assert stage_id(Path("/tmp/somewhere/out")) is None
 
 
 def test_serve_command_from_the_recipe_when_the_benchmark_recorded_no_engine(tmp_path):

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from quantpipe import preflight
 from quantpipe.cli import main
 from quantpipe.recipe import Recipe, parse
-from quantpipe.runner import build_steps
+from quantpipe.run.plan import build_steps
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from quantpipe.run.plan import stage_input
+
 from quantpipe.recipe import Recipe
 
 # name -> artifact settings. Every 4-bit one uses group size 128, and each calibrated method has an
@@ -61,7 +63,7 @@ def built(tiny, tmp_path_factory):
         d = root / name
         d.mkdir()
         t = time.perf_counter()
-        metrics = run(recipe, tiny.llama, d, artifact=name)
+        metrics = run(stage_input("quantize", recipe, name, tiny.llama), tiny.llama, d)
         out[name] = (d, metrics, time.perf_counter() - t)
     return out
 
@@ -250,7 +252,7 @@ def test_same_recipe_same_weights(built, tiny, tmp_path):
 
     d = tmp_path / "gptq-again"
     d.mkdir()
-    m = run(make_recipe(tiny, **ARTIFACTS), tiny.llama, d, artifact="gptq")
+    m = run(stage_input("quantize", make_recipe(tiny, **ARTIFACTS), "gptq", tiny.llama), tiny.llama, d)
     assert m["calibration_sha256"] == built["gptq"][1]["calibration_sha256"]
     assert weights_sha256(d) == weights_sha256(built["gptq"][0])
 
@@ -318,7 +320,8 @@ def test_pipeline_and_sequential_targets_reach_oneshot(tmp_path):
     from quantpipe.stages.quantize import oneshot_kwargs
 
     r = _recipe_for(tmp_path, method="gptq", pipeline="sequential", sequential_targets=["LlamaDecoderLayer"])
-    kw = oneshot_kwargs(r.artifacts[0], r, model=None, tokenizer=None, dataset=[1, 2, 3])
+    inp = stage_input("quantize", r, r.artifacts[0].name, tmp_path)
+    kw = oneshot_kwargs(r.artifacts[0], inp, model=None, tokenizer=None, dataset=[1, 2, 3])
     assert kw["pipeline"] == "sequential" and kw["sequential_targets"] == ["LlamaDecoderLayer"]
     assert kw["num_calibration_samples"] == 3 and kw["shuffle_calibration_samples"] is False
-    assert "pipeline" not in oneshot_kwargs(_recipe_for(tmp_path, method="rtn").artifacts[0], r, None, None, None)
+    assert "pipeline" not in oneshot_kwargs(_recipe_for(tmp_path, method="rtn").artifacts[0], inp, None, None, None)

@@ -530,8 +530,9 @@ except ImportError:  # pragma: no cover - hypothesis is in the quantize environm
 @pytest.mark.skipif(_EDITS is None, reason="needs hypothesis")
 def test_report_and_compare_survive_damaged_records(tmp_path_factory, monkeypatch):
     import quantpipe.report as report
+    import quantpipe.report.render as render
 
-    monkeypatch.setattr(report, "make_plots", lambda summary, plot_dir: [])  # plots are exercised on whole records above
+    monkeypatch.setattr(render, "make_plots", lambda summary, plot_dir: [])  # plots are exercised on whole records above
     base = make_record()
     root = tmp_path_factory.mktemp("damaged")
     ref = save_run(root, make_record("ref", "2026-11-29T06:00:00Z"))

@@ -15,7 +15,7 @@ from filelock import FileLock
 from quantpipe.cache import ContentHasher
 from quantpipe.cli import main
 from quantpipe.recipe import parse
-from quantpipe.runner import build_steps, compute_keys, select
+from quantpipe.run.plan import build_steps, compute_keys, select
 
 REPO = Path(__file__).resolve().parents[1]
 

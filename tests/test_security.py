@@ -22,9 +22,14 @@ from click.testing import CliRunner
 
 from quantpipe.cli import main
 from quantpipe.recipe import NAME, Recipe, load
-from quantpipe.runner import Runner, RunError, _RedactFilter, build_steps, redact, secrets
+from quantpipe.run.plan import build_steps
+from quantpipe.run.process import RedactFilter as _RedactFilter, redact, secrets
+from quantpipe.run.publish import PublishError, publish
+from quantpipe.run.record import write_record
+from quantpipe.run.runner import Runner, RunError
 from quantpipe.cache import StageCache
-from quantpipe.server import HOST, Server
+from quantpipe.ports import HOST
+from quantpipe.server import Server
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_PY = REPO / ".venv" / "serve" / "bin" / "python"
@@ -114,7 +119,7 @@ def test_pickle_only_model_and_adapter_are_refused_unless_allowed(fake):
 # --- trust_remote_code: off unless asked, and passed on only then ---------------------------------
 
 def test_trust_remote_code_is_off_by_default_and_reaches_vllm_only_when_asked(fake):
-    from quantpipe.stages.benchmark import effective_engine
+    from quantpipe.stages.benchmark.engine import effective_engine
 
     r = load(write(fake, recipe_dict()))
     assert r.base.trust_remote_code is False
@@ -151,14 +156,14 @@ def test_publish_never_writes_through_a_planted_link(fake, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     (outside / "keep.txt").write_text("precious")
     r = Recipe.model_validate({**recipe_dict(), "output_dir": str(fake / "out"), "base": {"model": str(fake / "model")}, "calibration": None})
-    runner = Runner(r, fake / "r.yaml")
+    out_dir = Path(r.output_dir)
     pkg = fake / "built"
     pkg.mkdir()
     (pkg / "manifest.json").write_text("{}")
     # packages/<artifact> planted as a link to a directory outside: replaced by our link, the target untouched
     (fake / "out" / "packages").mkdir(parents=True)
     (fake / "out" / "packages" / "fp8").symlink_to(outside, target_is_directory=True)
-    link = runner._publish("fp8", pkg, "a" * 32)
+    link = publish(out_dir, "fp8", pkg, "a" * 32)
     assert link.resolve().is_relative_to((fake / "out").resolve()) and (link / "manifest.json").is_file()
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
     # packages/.store planted as a link outside: refused, nothing written there
@@ -170,8 +175,8 @@ def test_publish_never_writes_through_a_planted_link(fake, tmp_path_factory):
             shutil.rmtree(p)
     store.rmdir()
     store.symlink_to(outside, target_is_directory=True)
-    with pytest.raises(RunError, match="symbolic link"):
-        runner._publish("fp8", pkg, "b" * 32)
+    with pytest.raises(PublishError, match="symbolic link"):
+        publish(out_dir, "fp8", pkg, "b" * 32)
     assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
 
 
@@ -238,10 +243,10 @@ def test_secrets_are_redacted_from_stage_logs_run_log_and_run_json(tmp_path, mon
     r = Recipe.model_validate({**recipe_dict(), "output_dir": str(tmp_path / "out"), "base": {"model": str(tmp_path)}, "calibration": None})
     runner = Runner(r, tmp_path / "r.yaml")
     stage_log = io.StringIO()
-    runner._pump(io.BytesIO(f"token={PLANTED['HF_TOKEN']} key {PLANTED['MY_API_SECRET']}\n".encode()), stage_log)
+    runner.procs._pump(io.BytesIO(f"token={PLANTED['HF_TOKEN']} key {PLANTED['MY_API_SECRET']}\n".encode()), stage_log)
     assert "***" in stage_log.getvalue() and not any(v in stage_log.getvalue() for v in PLANTED.values())
     (tmp_path / "run").mkdir()
-    runner._write_record(tmp_path / "run", {"error": f"failed with {PLANTED['HUGGING_FACE_HUB_TOKEN']}"})
+    write_record(tmp_path / "run", {"error": f"failed with {PLANTED['HUGGING_FACE_HUB_TOKEN']}"}, runner.secret_values)
     assert PLANTED["HUGGING_FACE_HUB_TOKEN"] not in (tmp_path / "run" / "run.json").read_text()
     rec = logging.LogRecord("quantpipe", logging.INFO, "x", 1, "using %s", (PLANTED["HF_TOKEN"],), None)
     _RedactFilter(secrets()).filter(rec)

@@ -5,7 +5,7 @@ targets, the shapes in adapter_model.safetensors, the architecture it was traine
 made for another model fails with a sentence naming it instead of a size-mismatch traceback. The
 merge runs in float32 with peft (`merge_and_unload`), several adapters scaled by their `weight`;
 then the logits of the merged model are compared with those of base + adapter (unmerged peft
-model) on a few fixed prompts. Output: safetensors in `recipe.base.dtype`, tokenizer, chat template
+model) on a few fixed prompts. Output: safetensors in `inp.base.dtype`, tokenizer, chat template
 and generation config; never an adapter_config.json. Without adapters the base passes through as
 symlinks (no weights are copied). Run it alone through the CLI:
 
@@ -20,8 +20,9 @@ import os
 import re
 from pathlib import Path
 
-from quantpipe.recipe import Recipe
-from quantpipe.stages import StageError
+from ..common.safetensors import param_count
+from . import StageError
+from .contract import MergeInput, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,8 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def run(recipe: Recipe, src: Path, out: Path, base_dir: str | Path | None = None, **_) -> dict:
-    """Merge `recipe.adapters` into the model in `src`, writing the merged model to `out`."""
+def run(inp: MergeInput, src: Path, out: Path, upstream: dict[str, Upstream] | None = None) -> dict:
+    """Merge `inp.adapters` into the model in `src`, writing the merged model to `out`."""
     src, out = Path(src), Path(out)
     if (src / "adapter_config.json").is_file():
         raise StageError(
@@ -50,21 +51,21 @@ def run(recipe: Recipe, src: Path, out: Path, base_dir: str | Path | None = None
         )
     if not (src / "config.json").is_file():
         raise StageError(f"base.model {src} has no config.json; point base.model at a Hugging Face model directory")
-    if not recipe.adapters:
-        return _pass_through(recipe, src, out)
+    if not inp.adapters:
+        return _pass_through(inp, src, out)
 
     import torch
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(src, trust_remote_code=recipe.base.trust_remote_code)
-    tok_src = _tokenizer_source(recipe, src)
-    tokenizer = _load_tokenizer(tok_src, recipe)
+    cfg = AutoConfig.from_pretrained(src, trust_remote_code=inp.base.trust_remote_code)
+    tok_src = _tokenizer_source(inp, src)
+    tokenizer = _load_tokenizer(tok_src, inp)
     vocab = cfg.get_text_config().vocab_size
     if tokenizer is not None and tok_src != src:  # an adapter that ships its own tokenizer may have added tokens
         vocab = max(vocab, len(tokenizer))
-    adapters = [_check_adapter(i, a.path, a.weight, recipe, src, cfg, vocab) for i, a in enumerate(recipe.adapters)]
+    adapters = [_check_adapter(i, a.path, a.weight, inp, src, cfg, vocab) for i, a in enumerate(inp.adapters)]
 
-    model = _load_base(recipe, src)
+    model = _load_base(inp, src)
     if vocab > model.get_input_embeddings().weight.shape[0]:
         # The adapter's tokenizer added tokens (and the adapter carries the resized embeddings).
         model.resize_token_embeddings(vocab)
@@ -88,7 +89,7 @@ def run(recipe: Recipe, src: Path, out: Path, base_dir: str | Path | None = None
     if any(k.startswith(("base_model", "peft")) or "lora_" in k for k in merged.state_dict()):
         raise StageError("the merged model still holds LoRA weights after merge_and_unload; this peft version cannot merge these adapters")
 
-    dtype = getattr(torch, recipe.base.dtype)
+    dtype = getattr(torch, inp.base.dtype)
     merged = merged.to(dtype)
     merged.config.dtype = dtype
     merged.save_pretrained(out, max_shard_size="5GB")
@@ -106,7 +107,7 @@ def run(recipe: Recipe, src: Path, out: Path, base_dir: str | Path | None = None
         "adapter_logit_shift": shift,
         "params": sum(p.numel() for p in merged.parameters()),
         "size_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
-        "dtype": recipe.base.dtype,
+        "dtype": inp.base.dtype,
         "adapters": [{k: a[k] for k in ("path", "weight", "r", "lora_alpha", "target_modules", "base_model_name_or_path")} for a in adapters],
         "tokenizer_from": str(tok_src),
     }
@@ -119,7 +120,7 @@ def run(recipe: Recipe, src: Path, out: Path, base_dir: str | Path | None = None
 # --- pass-through ---------------------------------------------------------------------------
 
 
-def _pass_through(recipe: Recipe, src: Path, out: Path) -> dict:
+def _pass_through(inp: MergeInput, src: Path, out: Path) -> dict:
     """No adapters: `out` mirrors `src` with absolute symlinks, so no weights are copied."""
     has_st = any(src.glob("*.safetensors"))
     n = 0
@@ -127,13 +128,13 @@ def _pass_through(recipe: Recipe, src: Path, out: Path) -> dict:
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         rel = Path(root).relative_to(src)
         for f in sorted(files):
-            if f.startswith(".") or (f.endswith(PICKLE_SUFFIXES) and (has_st or not recipe.base.allow_pickle)):
+            if f.startswith(".") or (f.endswith(PICKLE_SUFFIXES) and (has_st or not inp.base.allow_pickle)):
                 continue
             (out / rel).mkdir(parents=True, exist_ok=True)
             os.symlink(os.path.realpath(Path(root) / f), out / rel / f)
             n += 1
     weights = sorted(out.glob("*.safetensors"))
-    if not weights and not recipe.base.allow_pickle:
+    if not weights and not inp.base.allow_pickle:
         raise StageError(f"base.model {src} holds no *.safetensors weights; convert them, or set base.allow_pickle: true if you trust its .bin files")
     cfg = json.loads((src / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
@@ -141,7 +142,7 @@ def _pass_through(recipe: Recipe, src: Path, out: Path) -> dict:
         "n_adapters": 0,
         "merge_max_abs_diff": None,
         "adapter_logit_shift": None,
-        "params": _count_params(weights),
+        "params": param_count(weights),
         "size_bytes": sum(p.stat().st_size for p in weights),
         "dtype": cfg.get("dtype") or cfg.get("torch_dtype") or text_cfg.get("dtype") or text_cfg.get("torch_dtype"),
         "linked_files": n,
@@ -149,28 +150,10 @@ def _pass_through(recipe: Recipe, src: Path, out: Path) -> dict:
     }
 
 
-def _count_params(files: list[Path]) -> int | None:
-    """Parameter count from the safetensors headers (no tensor is read)."""
-    total = 0
-    for f in files:
-        with open(f, "rb") as fh:
-            n = int.from_bytes(fh.read(8), "little")
-            if n > 100 << 20:
-                return None
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                c = 1
-                for d in v["shape"]:
-                    c *= d
-                total += c
-    return total
-
-
 # --- adapters -------------------------------------------------------------------------------
 
 
-def _check_adapter(i: int, path: str, weight: float, recipe: Recipe, src: Path, cfg, vocab: int) -> dict:
+def _check_adapter(i: int, path: str, weight: float, inp: MergeInput, src: Path, cfg, vocab: int) -> dict:
     """Read an adapter's config and tensor shapes and check them against the base, before loading."""
     p = Path(path)
     where = f"adapters[{i}] ({p})"
@@ -185,7 +168,7 @@ def _check_adapter(i: int, path: str, weight: float, recipe: Recipe, src: Path, 
         raise StageError(f"{where} is a {conf.get('peft_type')} adapter; quantpipe merges LoRA adapters only (peft_type LORA)")
     st = p / "adapter_model.safetensors"
     if not st.is_file():
-        if (p / "adapter_model.bin").is_file() and not recipe.base.allow_pickle:
+        if (p / "adapter_model.bin").is_file() and not inp.base.allow_pickle:
             raise StageError(f"{where} has only a pickle adapter_model.bin; convert it to safetensors or set base.allow_pickle: true if you trust it")
         if not (p / "adapter_model.bin").is_file():
             raise StageError(f"{where} has no adapter_model.safetensors")
@@ -193,7 +176,7 @@ def _check_adapter(i: int, path: str, weight: float, recipe: Recipe, src: Path, 
     base_name = conf.get("base_model_name_or_path")
     _check_architecture(where, base_name, src, cfg)
     if st.is_file():
-        _check_shapes(where, st, recipe, cfg, vocab)
+        _check_shapes(where, st, inp, cfg, vocab)
     return {
         "name": f"adapter_{i}", "path": str(p), "weight": weight, "r": conf.get("r"), "lora_alpha": conf.get("lora_alpha"),
         "target_modules": conf.get("target_modules"), "base_model_name_or_path": base_name,
@@ -229,7 +212,7 @@ def _check_architecture(where: str, base_name: str | None, src: Path, cfg) -> No
 LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?$")
 
 
-def _check_shapes(where: str, st: Path, recipe: Recipe, cfg, vocab: int) -> None:
+def _check_shapes(where: str, st: Path, inp: MergeInput, cfg, vocab: int) -> None:
     """Every tensor in adapter_model.safetensors must fit a module of the base model."""
     import torch
     from accelerate import init_empty_weights
@@ -238,7 +221,7 @@ def _check_shapes(where: str, st: Path, recipe: Recipe, cfg, vocab: int) -> None
 
     with init_empty_weights():
         try:
-            meta = AutoModelForCausalLM.from_config(cfg, trust_remote_code=recipe.base.trust_remote_code)
+            meta = AutoModelForCausalLM.from_config(cfg, trust_remote_code=inp.base.trust_remote_code)
         except ValueError as e:
             raise StageError(f"base.model: transformers cannot build this architecture ({e}); set base.trust_remote_code: true if the model ships its own code and you trust it") from None
     if vocab > meta.get_input_embeddings().weight.shape[0]:
@@ -323,12 +306,12 @@ def _apply_adapters(model, adapters: list[dict]):
 # --- helpers --------------------------------------------------------------------------------
 
 
-def _load_base(recipe: Recipe, src: Path):
+def _load_base(inp: MergeInput, src: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": torch.float32, "trust_remote_code": recipe.base.trust_remote_code}
-    if not recipe.base.allow_pickle:
+    kwargs = {"dtype": torch.float32, "trust_remote_code": inp.base.trust_remote_code}
+    if not inp.base.allow_pickle:
         kwargs["use_safetensors"] = True
     try:
         model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
@@ -337,19 +320,19 @@ def _load_base(recipe: Recipe, src: Path):
     return model.eval()
 
 
-def _tokenizer_source(recipe: Recipe, src: Path) -> Path:
+def _tokenizer_source(inp: MergeInput, src: Path) -> Path:
     """The last adapter that ships a tokenizer (it may add tokens or a chat template), else the base."""
-    for a in reversed(recipe.adapters):
+    for a in reversed(inp.adapters):
         if any((Path(a.path) / f).is_file() for f in TOKENIZER_FILES):
             return Path(a.path)
     return src
 
 
-def _load_tokenizer(path: Path, recipe: Recipe):
+def _load_tokenizer(path: Path, inp: MergeInput):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=recipe.base.trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=inp.base.trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         log.warning("no usable tokenizer in %s (%s); the merged model is saved without one", path, e)
         return None

@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..recipe import Recipe
-from . import StageError
-from .quantize import copy_side_files, output_metrics, seed_everything
+from .. import StageError
+from ..contract import QuantizeInput
+from .artifact import copy_side_files, output_metrics, seed_everything
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ MODULE = {"autoawq": "awq", "gptqmodel": "gptqmodel"}
 ACTORDER = {None: (False, False), "group": (True, False), "weight": (True, True), "static": (True, True)}
 
 
-def run(recipe: Recipe, a, src: Path, out: Path) -> dict:
+def run(inp: QuantizeInput, src: Path, out: Path) -> dict:
     """Quantize the model in `src` into `out` with the artifact's legacy backend. Returns metrics for the run log."""
+    a = inp.artifact
     backend = a.backend
     if importlib.util.find_spec(MODULE[backend]) is None:
         raise StageError(
@@ -49,15 +50,15 @@ def run(recipe: Recipe, a, src: Path, out: Path) -> dict:
         )
     if not (src / "config.json").is_file():
         raise StageError(f"{src} is not a model directory (no config.json); the quantize stage reads the merged model")
-    if recipe.calibration is None:
+    if inp.calibration is None:
         raise StageError(f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe")
-    seed_everything(recipe.calibration.seed)
+    seed_everything(inp.calibration.seed)
     with tempfile.TemporaryDirectory(prefix="quantpipe-legacy-") as work:
         quantize = _autoawq if backend == "autoawq" else _gptqmodel
-        prepared, args, times, extra = quantize(recipe, a, src, out, Path(work))
+        prepared, args, times, extra = quantize(inp, a, src, out, Path(work))
     copy_side_files(src, out)  # the source's tokenizer, chat template and generation config, verbatim
 
-    provenance = prepared.provenance(recipe.calibration)
+    provenance = prepared.provenance(inp.calibration)
     (out / "calibration.json").write_text(json.dumps(provenance, indent=2) + "\n")
     libs = {n: importlib.metadata.version(n) for n in (backend, "transformers", "torch")}
     (out / "backend.json").write_text(json.dumps({"backend": backend, "versions": libs, "arguments": args}, indent=2, default=str) + "\n")
@@ -69,7 +70,7 @@ def run(recipe: Recipe, a, src: Path, out: Path) -> dict:
         "backend": backend,
         **times,
         **extra,
-        "seed": recipe.calibration.seed,
+        "seed": inp.calibration.seed,
         "versions": libs,
         "accelerator": str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None,
     }
@@ -103,18 +104,18 @@ def transformers4_view(src: Path, work: Path) -> Path:
     return view
 
 
-def _autoawq(recipe: Recipe, a, src: Path, out: Path, work: Path):
+def _autoawq(inp: QuantizeInput, a, src: Path, out: Path, work: Path):
     t0 = time.perf_counter()
     import torch
     from awq import AutoAWQForCausalLM
     from transformers import AutoTokenizer
 
-    from .. import calibration as cal
+    from ... import calibration as cal
 
     t1 = time.perf_counter()
-    c = recipe.calibration
+    c = inp.calibration
     model_dir = transformers4_view(src, work)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=recipe.base.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=inp.base.trust_remote_code)
     prepared = cal.prepare(c, tokenizer)
     # AutoAWQ concatenates the samples and cuts them into blocks of max_calib_seq_len tokens, dropping
     # the remainder (samples longer than a block would be dropped whole: calibration already truncated them)
@@ -127,8 +128,8 @@ def _autoawq(recipe: Recipe, a, src: Path, out: Path, work: Path):
     t2 = time.perf_counter()
     # float16: AutoAWQ's GEMM format stores float16 scales, and vLLM serves AWQ in float16
     model = AutoAWQForCausalLM.from_pretrained(
-        str(model_dir), torch_dtype=torch.float16, trust_remote_code=recipe.base.trust_remote_code,
-        safetensors=not recipe.base.allow_pickle,
+        str(model_dir), torch_dtype=torch.float16, trust_remote_code=inp.base.trust_remote_code,
+        safetensors=not inp.base.allow_pickle,
     )
     t3 = time.perf_counter()
     skip = [m for m in a.ignore if m != "lm_head"]  # AutoAWQ never quantizes lm_head
@@ -148,19 +149,19 @@ def _autoawq(recipe: Recipe, a, src: Path, out: Path, work: Path):
 # --- GPTQModel ----------------------------------------------------------------------------------
 
 
-def _gptqmodel(recipe: Recipe, a, src: Path, out: Path, work: Path):
-    # GPTQModel sizes its CPU thread pool from this at import; FACTS: 2 on the 2-core machines
+def _gptqmodel(inp: QuantizeInput, a, src: Path, out: Path, work: Path):
+    # GPTQModel sizes its CPU thread pool from this at import; more workers than cores only contend
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(min(2, os.cpu_count() or 1)))
     t0 = time.perf_counter()
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
     from transformers import AutoTokenizer
 
-    from .. import calibration as cal
+    from ... import calibration as cal
 
     t1 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=recipe.base.trust_remote_code)
-    prepared = cal.prepare(recipe.calibration, tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=inp.base.trust_remote_code)
+    prepared = cal.prepare(inp.calibration, tokenizer)
     t2 = time.perf_counter()
     desc_act, static_groups = ACTORDER[a.actorder]
     skip = [m for m in a.ignore if m != "lm_head"]
@@ -172,7 +173,7 @@ def _gptqmodel(recipe: Recipe, a, src: Path, out: Path, work: Path):
         # a negative `dynamic` rule skips the modules it matches
         "dynamic": {f"-:{m[3:] if m.startswith('re:') else re.escape(m)}": {} for m in skip} or None,
     }
-    model = GPTQModel.load(str(src), QuantizeConfig(**config), trust_remote_code=recipe.base.trust_remote_code, dtype=getattr(torch, recipe.base.dtype))
+    model = GPTQModel.load(str(src), QuantizeConfig(**config), trust_remote_code=inp.base.trust_remote_code, dtype=getattr(torch, inp.base.dtype))
     t3 = time.perf_counter()
     samples = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in prepared.input_ids]
     # every sample as calibration prepared it: none dropped for being short, none re-ordered
@@ -183,4 +184,4 @@ def _gptqmodel(recipe: Recipe, a, src: Path, out: Path, work: Path):
     t5 = time.perf_counter()
     times = {"import_s": round(t1 - t0, 3), "calibration_s": round(t2 - t1, 3), "load_s": round(t3 - t2, 3),
              "quantize_s": round(t4 - t3, 3), "save_s": round(t5 - t4, 3)}
-    return prepared, {"quantize_config": config, "quantize": kwargs, "dtype": recipe.base.dtype}, times, {"format": "gptq"}
+    return prepared, {"quantize_config": config, "quantize": kwargs, "dtype": inp.base.dtype}, times, {"format": "gptq"}

@@ -8,13 +8,14 @@ as llm-compressor writes it (it holds `!!python/tuple`, so `yaml.safe_load` cann
 hash. Tokenizer, chat template and generation config are copied from the merged model.
 
     from quantpipe.recipe import load
+    from quantpipe.run.plan import stage_input
     from quantpipe.stages.quantize import run
-    run(load("recipes/demo.yaml"), Path(".tiny/llama-merged"), Path("/tmp/gptq"), artifact="gptq-w4")
+    run(stage_input("quantize", load("recipes/demo.yaml"), "gptq", base_dir), Path(".tiny/llama-merged"), Path("/tmp/gptq"))
 
 Methods: awq (AWQModifier + W4A16[_ASYM]), gptq (GPTQModifier W4A16/W8A16), fp8 (FP8_DYNAMIC,
 static FP8, FP8_BLOCK), w8a8-int8 (SmoothQuant + GPTQ W8A8), rtn (QuantizationModifier W4A16/W8A16,
 no data: the reference the calibrated methods must beat). `backend: autoawq` and `backend: gptqmodel`
-hand awq and gptq artifacts to the legacy quantizers instead (stages/legacy.py).
+hand awq and gptq artifacts to the legacy quantizers instead (stages/quantize/legacy.py).
 """
 
 from __future__ import annotations
@@ -22,49 +23,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from ..recipe import Recipe
-from . import StageError
+from ...common.methods import needs_calibration, scheme_name
+from .. import StageError
+from ..contract import QuantizeInput, Upstream
+from .artifact import SHARD_SIZE, copy_side_files, output_metrics, seed_everything
 
 log = logging.getLogger(__name__)
 
-# Copied verbatim from the merged model: what a user of the artifact needs besides the weights.
-SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
-)
 LEGACY_BACKENDS = {"autoawq", "gptqmodel"}
-SHARD_SIZE = "5GB"  # safetensors shard size of a quantized checkpoint (the merge stage writes the same)
-
-
-def artifact_config(recipe: Recipe, name: str):
-    for a in recipe.artifacts:
-        if a.name == name:
-            return a
-    raise StageError(f"no artifact named {name!r} in the recipe; it has {', '.join(a.name for a in recipe.artifacts)}")
-
-
-def scheme_name(a) -> str:
-    """The compressed-tensors preset an artifact uses (for metrics and reports)."""
-    if a.method == "awq":
-        return "W4A16" if a.symmetric else "W4A16_ASYM"
-    if a.method == "gptq":
-        return f"W{a.bits}A16"
-    if a.method == "rtn":
-        return f"W{a.bits}A16" + ("" if a.symmetric else "_ASYM")
-    if a.method == "fp8":
-        return {"dynamic": "FP8_DYNAMIC", "static": "FP8", "block": "FP8_BLOCK"}[a.mode]
-    return "W8A8"
-
-
-def needs_calibration(a) -> bool:
-    return not (a.method == "rtn" or (a.method == "fp8" and a.mode != "static"))
 
 
 def _weight_only_groups(bits: int, symmetric: bool, targets: list[str], group_size: int | None) -> dict:
@@ -112,11 +82,11 @@ def build_modifiers(a) -> list:
     raise StageError(f"unknown quantization method {a.method!r}")
 
 
-def oneshot_kwargs(a, recipe: Recipe, model, tokenizer, dataset) -> dict:
+def oneshot_kwargs(a, inp: QuantizeInput, model, tokenizer, dataset) -> dict:
     """Everything handed to `oneshot` (the bench script calls it bare with exactly these)."""
     kw: dict[str, Any] = {"model": model, "recipe": build_modifiers(a), "tokenizer": tokenizer}
     if dataset is not None:
-        c = recipe.calibration
+        c = inp.calibration
         # the samples are already drawn, shuffled (seeded) and truncated by quantpipe.calibration:
         # take them all, in order, with no further sampling by llm-compressor
         kw |= {"dataset": dataset, "num_calibration_samples": len(dataset), "max_seq_length": c.max_seq_len,
@@ -152,65 +122,18 @@ def cpu_safe_awq():
         IntermediatesCache.pin_memory = original
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-def weights_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
-
-
-def output_metrics(a, src: Path, out: Path, provenance: dict) -> dict:
-    """What every backend records about an artifact: scheme, sizes against the baseline, calibration used."""
-    size, base_size = dir_bytes(out), dir_bytes(src)
-    w, base_w = weights_bytes(out), weights_bytes(src)
-    return {
-        "method": a.method,
-        "scheme": scheme_name(a),
-        "group_size": getattr(a, "group_size", None),
-        "size_bytes": size,
-        "baseline_size_bytes": base_size,
-        "compression": round(base_size / size, 4) if size else None,
-        "weights_bytes": w,
-        "baseline_weights_bytes": base_w,
-        "weights_compression": round(base_w / w, 4) if w else None,
-        "calibration_sha256": provenance["calibration_sha256"],
-        "n_calibration_samples": provenance["n_samples"],
-        "n_calibration_tokens": provenance["n_tokens"],
-        "truncated_samples": provenance["truncated_samples"],
-    }
-
-
-def copy_side_files(src: Path, out: Path) -> list[str]:
-    copied = []
-    for name in SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
-            copied.append(name)
-    return copied
-
-
-def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
+def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] | None = None) -> dict:
     """Quantize the model in `src` into `out` (compressed-tensors). Returns metrics for the run log."""
-    a = artifact_config(recipe, artifact)
+    a = inp.artifact
     if getattr(a, "backend", "llm-compressor") in LEGACY_BACKENDS:
         from .legacy import run as run_legacy  # AutoAWQ / GPTQModel, each in its own environment
 
-        return run_legacy(recipe, a, Path(src), Path(out))
+        return run_legacy(inp, Path(src), Path(out))
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise StageError(f"{src} is not a model directory (no config.json); the quantize stage reads the merged model")
     data = needs_calibration(a)
-    if data and recipe.calibration is None:
+    if data and inp.calibration is None:
         raise StageError(f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe")
 
     t_import = time.perf_counter()
@@ -218,28 +141,28 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import calibration as cal
+    from ... import calibration as cal
 
     t0 = time.perf_counter()
 
-    seed = recipe.calibration.seed if recipe.calibration else 0
+    seed = inp.calibration.seed if inp.calibration else 0
     seed_everything(seed)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=recipe.base.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=inp.base.trust_remote_code)
     except Exception as e:
         if data:
             raise StageError(f"{src}: cannot load its tokenizer ({type(e).__name__}: {e}); calibration needs the tokenizer saved with the model") from None
         tokenizer = None
-    prepared = cal.prepare(recipe.calibration, tokenizer) if data else None
+    prepared = cal.prepare(inp.calibration, tokenizer) if data else None
     dataset = prepared.dataset() if prepared else None
     t_cal = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(
-        src, dtype=getattr(torch, recipe.base.dtype), trust_remote_code=recipe.base.trust_remote_code,
-        use_safetensors=None if recipe.base.allow_pickle else True,
+        src, dtype=getattr(torch, inp.base.dtype), trust_remote_code=inp.base.trust_remote_code,
+        use_safetensors=None if inp.base.allow_pickle else True,
     )
     t_load = time.perf_counter()
 
-    kwargs = oneshot_kwargs(a, recipe, model, tokenizer, dataset)
+    kwargs = oneshot_kwargs(a, inp, model, tokenizer, dataset)
     guard = cpu_safe_awq() if a.method == "awq" else contextlib.nullcontext(False)
     try:
         with guard as patched:
@@ -261,7 +184,7 @@ def run(recipe: Recipe, src: Path, out: Path, artifact: str, **refs) -> dict:
 
     modifiers = active_session().lifecycle.recipe.to_dict()
     (out / "llmcompressor_recipe.json").write_text(json.dumps(modifiers, indent=2, default=str) + "\n")
-    provenance = prepared.provenance(recipe.calibration) if prepared else {"calibration_sha256": None, "n_samples": 0, "n_tokens": 0, "truncated_samples": 0, "note": f"{scheme_name(a)} needs no calibration data"}
+    provenance = prepared.provenance(inp.calibration) if prepared else {"calibration_sha256": None, "n_samples": 0, "n_tokens": 0, "truncated_samples": 0, "note": f"{scheme_name(a)} needs no calibration data"}
     (out / "calibration.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
     return {

@@ -1,0 +1,129 @@
+"""What vLLM can serve on this machine, and the engine arguments quantpipe gives it.
+
+Used by the benchmark stage and by the evaluate stage's vllm backend (and the package stage's serve
+command), so that both decide servability and engine flags the same way. `probe_platform` imports
+vLLM (serve environment only); everything else is light.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..recipe import Engine
+from ..stages import StageError
+from .hf_config import text_config
+
+if TYPE_CHECKING:
+    from ..recipe import Recipe
+    from ..stages.contract import BenchmarkInput, PackageInput
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20  # vLLM's CPU worker needs an explicit KV-cache size: quantpipe's minimum
+
+
+def probe_platform() -> dict:
+    """The platform vLLM runs on here and the kernels it loaded (imports vLLM: serve env only)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    plat = {"platform": current_platform.device_type, "device": current_platform.device_name, "kernels": {}}
+    if current_platform.is_cpu():
+        current_platform.import_kernels()
+        plat["kernels"]["cpu_gemm_wna16"] = hasattr(torch.ops._C, "cpu_gemm_wna16")
+        plat["isa"] = torch.backends.cpu.get_cpu_capability()
+    elif torch.cuda.is_available():
+        plat["device"] = torch.cuda.get_device_name(0)
+        plat["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    return plat
+
+
+def quant_scheme(model_dir: Path) -> dict | None:
+    """Weight/activation precision of a checkpoint, from its config.json (None: not quantized)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    qc = cfg.get("quantization_config") or cfg.get("compression_config")
+    if not isinstance(qc, dict):
+        return None
+    qm = qc.get("quant_method") or qc.get("quant_type")
+    if qm == "compressed-tensors":
+        for g in (qc.get("config_groups") or {}).values():
+            w = (g or {}).get("weights") or {}
+            a = (g or {}).get("input_activations")
+            if w:
+                return {"quant_method": qm, "format": qc.get("format"), "weight_bits": w.get("num_bits"),
+                        "weight_type": w.get("type", "int"), "activations": a is not None, "group_size": w.get("group_size")}
+        return {"quant_method": qm, "format": qc.get("format"), "weight_bits": None, "weight_type": None, "activations": False}
+    if qm in ("gptq", "awq"):
+        return {"quant_method": qm, "format": qm, "weight_bits": qc.get("bits") or qc.get("w_bit"), "weight_type": "int",
+                "activations": False, "group_size": qc.get("group_size") or qc.get("q_group_size")}
+    return {"quant_method": qm, "format": qc.get("format"), "weight_bits": None, "weight_type": None, "activations": None}
+
+
+def unservable_reason(scheme: dict | None, method: str, plat: dict) -> str | None:
+    """Why vLLM cannot serve this scheme on this platform (None: try it). Decided before any server starts."""
+    if not scheme or plat.get("platform") != "cpu" or scheme.get("activations") is not False:
+        return None
+    bits, wtype = scheme.get("weight_bits"), scheme.get("weight_type")
+    label = f"W{bits}A16" if bits else "weight-only"
+    if wtype == "int" and bits == 4:
+        if not plat.get("kernels", {}).get("cpu_gemm_wna16", False):
+            return (f"{label} ({method}) needs vLLM's cpu_gemm_wna16 kernel, which vLLM's CPU build for this "
+                    f"machine ({plat.get('isa') or 'no AVX-512'}) lacks; serve it on a GPU or an AVX-512 CPU, "
+                    "or validate it through transformers")
+        return None
+    if wtype == "int" and bits is not None:
+        return (f"{label} ({method}): vLLM's CPU backend has no kernel for {bits}-bit weight-only layers "
+                "(CPUWNA16 takes 4-bit weights only); serve it on a GPU, or use w8a8-int8 for CPU")
+    if wtype == "float":
+        return f"{label} FP8 weight-only ({method}): vLLM's CPU backend has no FP8 weight-only kernel; use fp8 dynamic (W8A8)"
+    return None
+
+
+def variant_engines(inp: BenchmarkInput | PackageInput | Recipe) -> list[tuple[str, Engine]]:
+    """("default", inp.benchmark.engine), then each variant: that engine updated with the variant's set fields
+    (`inp`: anything with a `benchmark` section, such as the benchmark or package stage's input)."""
+    base = inp.benchmark.engine
+    out = [("default", base)]
+    for v in inp.benchmark.variants:
+        fields = v.engine.model_dump(exclude_unset=True)
+        merged = base.model_dump()
+        for k, val in fields.items():
+            if k == "extra_args":
+                merged[k] = list(base.extra_args) + list(val)  # as package.serve_command composes them
+            elif val is not None:
+                merged[k] = val
+        out.append((v.name, Engine.model_validate(merged)))
+    names = [n for n, _ in out]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise StageError(f"benchmark.variants: names must be unique and not 'default'; repeated: {', '.join(sorted(dup))}")
+    return out
+
+
+def engine_flags(engine: dict) -> list[str]:
+    """vLLM engine CLI flags (shared by `vllm serve` and `vllm bench latency|throughput`)."""
+    args: list[str] = []
+    for k, val in engine.items():
+        if k == "extra_args" or val is None:
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(val, bool):
+            args.append(flag if val else "--no-" + k.replace("_", "-"))
+        else:
+            args += [flag, str(val)]
+    return args + list(engine.get("extra_args") or [])
+
+
+def kv_bytes_per_token(model_dir: Path, kv_cache_dtype: str | None) -> int | None:
+    c = text_config(model_dir)
+    try:
+        layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
+        kv_heads = c.get("num_key_value_heads") or heads
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+    elt = 1 if (kv_cache_dtype or "auto").startswith("fp8") else 2
+    return 2 * layers * kv_heads * head_dim * elt

@@ -1,0 +1,80 @@
+"""Which kernels vLLM served an artifact with, read from its server log, so a speed figure can be read against them.
+
+vLLM names its choice as it loads the model: "Selected CutlassFP8ScaledMMLinearKernel for
+CompressedTensorsW8A8Fp8", "Using MacheteLinearKernel for CompressedTensorsWNA16", "Using FLASH_ATTN
+attention backend out of potential backends: [...]"; on a GPU without FP8 compute it says that it falls
+back to weight-only FP8 through Marlin. The benchmark stage keeps each server's log in its output
+(`variants.<name>.log`, e.g. logs/server-default.log); the report reads it from the stage's cache entry.
+
+    parse_server_log(Path("logs/server-default.log").read_text())
+    # {"linear": [{"kernel": "CutlassFP8ScaledMMLinearKernel", "family": "CUTLASS", "scheme": "CompressedTensorsW8A8Fp8"}], "attention": "FLASH_ATTN"}
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .records import _d, _s
+
+LINEAR = re.compile(r"\b(?:Selected|Using) (\w*Kernel\w*) for ([\w.-]+(?: linear)?)")
+ATTENTION = re.compile(r"\bUsing (\w+) attention backend|\bUsing (\w+) backend\.")
+FP8_MARLIN = re.compile(r"Weight-only FP8 compression will be used leveraging the Marlin kernel")
+# the kernel class's family, as vLLM's docs name them (longest prefix first)
+FAMILIES = [("MarlinFP8", "FP8 Marlin (weight-only)"), ("Machete", "Machete"), ("Marlin", "Marlin"), ("CutlassW4A8", "CUTLASS W4A8"),
+            ("Cutlass", "CUTLASS"), ("FlashInfer", "FlashInfer"), ("DeepGemm", "DeepGEMM"), ("Triton", "Triton"), ("Exllama", "ExLlama"),
+            ("Conch", "Conch"), ("Allspark", "AllSpark"), ("Aiter", "AITER"), ("Zentorch", "zentorch"), ("CPU", "vLLM CPU"),
+            ("Torch", "torch._scaled_mm"), ("Dynamic4bit", "dynamic 4-bit (CPU)")]
+CPU_ATTENTION = "CPU_ATTN"  # vllm/platforms/cpu.py returns it for every non-MLA model without logging a line
+
+
+def family(kernel: str) -> str:
+    for prefix, name in FAMILIES:
+        if kernel.startswith(prefix):
+            return name
+    return kernel
+
+
+def parse_server_log(text: str) -> dict:
+    linear, seen = [], set()
+    for m in LINEAR.finditer(text):
+        if m.group(1).endswith("Config") or (m.group(1), m.group(2)) in seen:
+            continue
+        seen.add((m.group(1), m.group(2)))
+        linear.append({"kernel": m.group(1), "family": family(m.group(1)), "scheme": m.group(2)})
+    if FP8_MARLIN.search(text) and not any(x["family"].startswith("FP8 Marlin") for x in linear):
+        linear.append({"kernel": "MarlinFP8ScaledMMLinearKernel", "family": "FP8 Marlin (weight-only)", "scheme": "FP8 (no FP8 compute on this GPU)"})
+    att = [a or b for a, b in ATTENTION.findall(text)]
+    return {"linear": linear, "attention": att[-1] if att else None}
+
+
+def serving_info(stage: dict, variant: str | None) -> dict | None:
+    """What a benchmark stage's server ran the artifact with (its best variant's server log), or None if nothing was served."""
+    m = _d(stage.get("metrics"))
+    if stage.get("status") != "ok" or not m or m.get("servable") is False:
+        return None
+    variants = _d(m.get("variants"))
+    info = _d(variants.get(variant or "default")) or _d(variants.get("default"))
+    platform = _s(m.get("platform"))
+    out = {"platform": platform, "variant": variant or "default", "linear": [], "attention": None, "source": None, "note": None}
+    given = _d(info.get("kernels")) or _d(m.get("kernels"))  # a benchmark stage that records them itself
+    if given:
+        out |= {"linear": [x for x in given.get("linear", []) if isinstance(x, dict)], "attention": _s(given.get("attention")), "source": "benchmark metrics"}
+    else:
+        log_rel = _s(info.get("log")) or "logs/server-default.log"
+        path = Path(str(stage.get("out") or "")) / log_rel
+        try:
+            text = path.read_text(errors="replace") if stage.get("out") else None
+        except OSError:
+            text = None
+        if text is None:
+            out["note"] = "the server log is not at hand (the stage's cache entry is gone), so the kernels are not known"
+            return out
+        out |= parse_server_log(text)
+        out["source"] = f"server log {log_rel}"
+    if not out["linear"]:
+        out["note"] = "the server log names no linear kernel (vLLM names one for quantized layers only)"
+    if out["attention"] is None and platform == "cpu":
+        out["attention"] = CPU_ATTENTION
+        out["attention_note"] = "vLLM's CPU platform uses it for non-MLA models without naming it in the log"
+    return out

@@ -1,0 +1,144 @@
+"""The report's plots (matplotlib, offline): accuracy against speed, with the Pareto front."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .records import _d
+
+
+SPEED_SOURCE = {  # plot footers: [served sweep only, offline benchmarks ran]
+    "latency_s_batch1": ["batch-1 latency: vllm bench serve, mean end-to-end latency at concurrency 1",
+                         "offline vllm bench latency (batch 1)"],
+    "throughput_tok_s": ["throughput: vllm bench serve, output tokens/s at the best concurrency", "offline vllm bench throughput"],
+}
+
+
+def _footer(prov: dict, extra: str = "") -> str:
+    bits = [prov["hardware_text"], f"vLLM {prov['vllm']}" if prov.get("vllm") else None,
+            f"quantpipe {(prov.get('git_commit') or '?')[:12]}", prov["command"], extra or None]
+    return " · ".join(b for b in bits if b)
+
+
+def make_plots(summary: dict, plot_dir: Path) -> list[dict]:
+    """PNG plots (matplotlib, Agg) with how they were obtained printed in each; [] entries are skipped plots."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    prov = summary["provenance"]
+    wl = _d(summary.get("workload"))
+    wl_txt = f"workload {wl.get('name')}: {wl.get('input_len')} in / {wl.get('output_len')} out tokens, {wl.get('num_prompts')} prompts" if wl else ""
+    rows = summary["rows"]
+    plots = []
+
+    def save(fig, name, title, caption):
+        fig.text(0.01, 0.005, _footer(prov, caption.get("footer", "")), fontsize=6.5, color="#555", ha="left", va="bottom", wrap=True)
+        path = plot_dir / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        plots.append({"name": name, "title": title, "caption": caption["text"] + " Obtained on " + _footer(prov, caption.get("footer", "")) + ".",
+                      "path": str(path), "file": f"plots/{name}.png"})
+
+    for speed, label, lower, key, name in (("latency_s_batch1", "batch-1 latency (s)", True, "pareto_latency", "accuracy_vs_latency"),
+                                            ("throughput_tok_s", "throughput (tokens/s)", False, "pareto_throughput", "accuracy_vs_throughput")):
+        pts = [r for r in rows if r["recovery"] is not None and r[speed] is not None]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        fig.subplots_adjust(bottom=0.2)
+        for r in pts:
+            colour = "#777" if r["baseline"] else ("#2a7" if r["gate"] == "PASS" else "#c33")
+            marker = "s" if r["baseline"] else ("o" if r["gate"] == "PASS" else "X")
+            ax.scatter(r[speed], r["recovery"], s=90 if r[key] else 50, c=colour, marker=marker, edgecolors="k" if r[key] else "none", zorder=3)
+            ax.annotate(r["artifact"], (r[speed], r["recovery"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        front = sorted((r for r in pts if r[key]), key=lambda r: r[speed])
+        if len(front) > 1:
+            ax.plot([r[speed] for r in front], [r["recovery"] for r in front], "--", color="#246", lw=1.2, zorder=2, label="Pareto front")
+        elif front:
+            ax.scatter([], [], edgecolors="k", c="w", label="Pareto front (outlined)")
+        ax.set_xlabel(label + (" — lower is better" if lower else " — higher is better"))
+        ax.set_ylabel("accuracy recovery (worst task, vs baseline)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(f"Accuracy recovery vs {label.split(' (')[0]}")
+        save(fig, name, f"Accuracy recovery vs {label.split(' (')[0]}",
+             {"text": f"Each point is an artifact (square: the unquantized baseline; green: passes every gate; red cross: fails a gate); "
+                      f"outlined points are on the Pareto front of recovery against {label.split(' (')[0]}.",
+              "footer": SPEED_SOURCE[speed][any(r.get("speed_source") == "offline" for r in pts)]})
+
+    served = [r for r in rows if r["serve"]]
+    if served:
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.9))
+        fig.subplots_adjust(bottom=0.27, wspace=0.3)
+        for r in served:
+            cs = [int(c) for c in r["serve"] if c.isdigit()]
+            for ax, k in zip(axes, ("output_throughput", "ttft_p99_ms", "tpot_p99_ms")):
+                ys = [r["serve"][str(c)][k] for c in cs]
+                ax.plot(cs, [y if y is not None else math.nan for y in ys], "o-", label=f"{r['artifact']} ({r['variant']})")
+        for ax, t in zip(axes, ("output throughput (tok/s)", "TTFT p99 (ms)", "TPOT p99 (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_title(t, fontsize=10)
+            ax.grid(alpha=0.3)
+        for k, ax in (("ttft_p99_ms", axes[1]), ("tpot_p99_ms", axes[2])):
+            if summary["slo"].get(k):
+                ax.axhline(summary["slo"][k], color="#c33", ls=":", lw=1, label="SLO")
+        axes[0].legend(fontsize=7)
+        save(fig, "concurrency", "Throughput and latency vs concurrency",
+             {"text": "vllm bench serve at each concurrency, per artifact with its best engine variant.", "footer": wl_txt})
+
+    variants = summary["variants"]
+    names = list(dict.fromkeys(v["variant"] for v in variants))
+    if len(names) > 1:
+        arts = list(dict.fromkeys(v["artifact"] for v in variants))
+        metric = "best_goodput" if any(v["best_goodput"] is not None for v in variants) else "output_throughput"
+        fig, ax = plt.subplots(figsize=(max(6.4, 1.2 * len(arts) * len(names) / 2), 4.2))
+        fig.subplots_adjust(bottom=0.22)
+        w = 0.8 / len(names)
+        for i, vn in enumerate(names):
+            ys = [next((v[metric] for v in variants if v["artifact"] == a and v["variant"] == vn), None) for a in arts]
+            ax.bar([j + i * w for j in range(len(arts))], [y if y is not None else 0 for y in ys], w, label=vn)
+        ax.set_xticks([j + w * (len(names) - 1) / 2 for j in range(len(arts))], arts)
+        ax.set_ylabel("goodput at the SLO (req/s)" if metric == "best_goodput" else "output throughput at top concurrency (tok/s)")
+        ax.set_title("Engine variants")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+        save(fig, "variants", "Engine-variant comparison",
+             {"text": "Each engine variant of the recipe, per artifact: " + ("best goodput at the SLO over the concurrencies." if metric == "best_goodput"
+                                                                            else "output throughput at the highest concurrency."), "footer": wl_txt})
+    timeline = _timeline(summary, plt)
+    if timeline is not None:
+        save(timeline, "timeline", "Where the time went: the run's stages by GPU",
+             {"text": "Each bar is a stage that ran (cache hits are not drawn), on the GPU it was given (CPU: stages that use "
+                      "none); benchmarks have their GPU to themselves, quantize and evaluate stages share one."})
+    return plots
+
+
+KIND_COLOURS = {"merge": "#8c6d31", "quantize": "#3182bd", "evaluate": "#31a354", "benchmark": "#de2d26", "package": "#756bb1"}
+
+
+def _timeline(summary: dict, plt):
+    """A Gantt chart of the stages that ran, one lane per GPU (and one for stages on no GPU); None if nothing ran."""
+    ran = [s for s in summary.get("stages") or [] if s.get("start_s") is not None and s.get("end_s") is not None and s.get("cache") != "hit"]
+    if not ran:
+        return None
+    lanes = sorted({d for s in ran for d in s["devices"]}, key=lambda d: (len(d), d))
+    names = [f"GPU {d}" for d in lanes] + (["CPU"] if any(not s["devices"] for s in ran) else [])
+    fig, ax = plt.subplots(figsize=(7.6, 0.9 + 0.5 * len(names)))
+    fig.subplots_adjust(bottom=0.35 if len(names) < 3 else 0.22, left=0.12)
+    for s in ran:
+        kind = s["id"].split(":")[0]
+        for lane in [f"GPU {d}" for d in s["devices"]] or ["CPU"]:
+            y = names.index(lane)
+            ax.barh(y, s["end_s"] - s["start_s"], left=s["start_s"], height=0.6, color=KIND_COLOURS.get(kind, "#999"),
+                    edgecolor="white", alpha=0.9 if s.get("status") == "ok" else 0.4)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run started")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
+    ax.legend(handles, KIND_COLOURS.keys(), fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), frameon=False)
+    return fig

@@ -1,0 +1,137 @@
+"""Which stages may run now: GPUs and memory handed out from the pre-flight estimates. Pure: no processes.
+
+- a benchmark gets its GPUs to itself for its whole length (nothing else on them, or its figures are not
+  worth publishing); on a host without GPUs it runs alone;
+- quantize and evaluate share GPUs, packed by their pre-flight GPU-memory estimates (their RAM estimate
+  where no GPU estimate exists, as on a host whose GPUs are simulated);
+- merge and package use no GPU; every stage counts against the RAM budget; `jobs` caps how many run.
+A benchmark that is ready but blocked reserves the GPU it waits for, so that shared stages started
+later go elsewhere and it is not starved. One stage always may start when nothing runs (pre-flight has
+already refused a stage that fits no GPU or not in RAM alone).
+
+    sched = Scheduler(gpus("0,1"), ram_bytes=64 << 30, jobs=4)
+    grant = sched.try_start("quantize:awq", "quantize", est)   # -> Grant(gpus=["0"]) or None
+    sched.finish("quantize:awq")
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+GIB = 2**30
+EXCLUSIVE = {"benchmark"}
+SHARED = {"quantize", "evaluate"}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: str
+    total_bytes: int
+    name: str = ""
+
+
+@dataclass
+class Grant:
+    gpus: list[str]
+    gpu_bytes: int = 0
+    ram_bytes: int = 0
+    exclusive: bool = False
+
+
+def gpus(select: str | None = None) -> list[Gpu]:
+    """The GPUs a run may use: nvidia-smi's (within CUDA_VISIBLE_DEVICES), or `QUANTPIPE_GPUS` simulated ones
+    (`2` for two of 80 GiB, `2x24` for two of 24 GiB) for a CPU host; `select` ("0,1", --gpus) narrows them."""
+    sim = os.environ.get("QUANTPIPE_GPUS", "").strip()
+    if sim:
+        n, _, gib = sim.partition("x")
+        found = [Gpu(str(i), int(float(gib or 80) * GIB), "simulated") for i in range(int(n))]
+    elif shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True, timeout=20)
+            rows = [[x.strip() for x in line.split(",", 2)] for line in r.stdout.strip().splitlines() if line.strip()]
+            found = [Gpu(i, int(float(mib)) * 2**20, name) for i, mib, name in rows]
+        except (OSError, subprocess.SubprocessError, ValueError):
+            found = []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            keep = [v.strip() for v in visible.split(",") if v.strip()]
+            found = [g for g in found if g.index in keep]
+    else:
+        found = []
+    if select:
+        wanted = [s.strip() for s in select.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in {g.index for g in found}]
+        if unknown:
+            have = ", ".join(g.index for g in found) or "none"
+            raise ValueError(f"--gpus: no GPU {', '.join(unknown)} on this host (GPUs here: {have})")
+        found = [g for g in found if g.index in wanted]
+    return found
+
+
+def default_jobs(n_gpus: int) -> int:
+    """Without GPUs one stage at a time (CPU stages take every core); with GPUs four per GPU at most."""
+    return 4 * n_gpus if n_gpus else 1
+
+
+@dataclass
+class Scheduler:
+    gpus: list[Gpu]
+    ram_bytes: int | None = None
+    jobs: int = 1
+    running: dict[str, Grant] = field(default_factory=dict)
+    reserved: dict[str, str] = field(default_factory=dict)  # gpu index -> the benchmark waiting for it
+
+    def _users(self, index: str) -> list[Grant]:
+        return [g for g in self.running.values() if index in g.gpus]
+
+    def _free_bytes(self, gpu: Gpu) -> int:
+        return gpu.total_bytes - sum(g.gpu_bytes for g in self._users(gpu.index))
+
+    def try_start(self, sid: str, kind: str, est: dict | None, n_gpus: int = 1) -> Grant | None:
+        """A grant if `sid` may start now, else None (and a blocked benchmark reserves the GPUs it waits for)."""
+        est = est or {}
+        ram = int(est.get("ram_bytes") or 0)
+        if len(self.running) >= max(1, self.jobs):
+            return None
+        if self.running and self.ram_bytes is not None and sum(g.ram_bytes for g in self.running.values()) + ram > self.ram_bytes:
+            return None
+        if kind in EXCLUSIVE:
+            return self._exclusive(sid, ram, n_gpus)
+        if any(g.exclusive and not g.gpus for g in self.running.values()):
+            return None  # a benchmark on a host without GPUs runs alone
+        if kind in SHARED and self.gpus:
+            need = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0)
+            fits = [g for g in self.gpus if g.index not in self.reserved and not any(u.exclusive for u in self._users(g.index))
+                    and (self._free_bytes(g) >= need or not self._users(g.index))]
+            if not fits:
+                return None
+            gpu = max(fits, key=self._free_bytes)  # the emptiest GPU
+            return self._grant(sid, Grant([gpu.index], need, ram))
+        return self._grant(sid, Grant([], 0, ram))
+
+    def _exclusive(self, sid: str, ram: int, n_gpus: int) -> Grant | None:
+        if not self.gpus:
+            return self._grant(sid, Grant([], 0, ram, exclusive=True)) if not self.running else None
+        mine = [i for i, s in self.reserved.items() if s == sid]
+        idle = [g.index for g in self.gpus if not self._users(g.index) and self.reserved.get(g.index) in (None, sid)]
+        if len(idle) >= n_gpus:
+            take = (mine + [i for i in idle if i not in mine])[:n_gpus]
+            for i in take:
+                self.reserved.pop(i, None)
+            return self._grant(sid, Grant(take, sum(g.total_bytes for g in self.gpus if g.index in take), ram, exclusive=True))
+        # reserve the least busy GPUs it does not hold yet, so that it is not starved by shared stages
+        free = sorted((g for g in self.gpus if g.index not in self.reserved), key=lambda g: len(self._users(g.index)))
+        for g in free[: max(0, n_gpus - len(mine))]:
+            self.reserved[g.index] = sid
+        return None
+
+    def _grant(self, sid: str, grant: Grant) -> Grant:
+        self.running[sid] = grant
+        return grant
+
+    def finish(self, sid: str) -> None:
+        self.running.pop(sid, None)

@@ -1,0 +1,167 @@
+"""Benchmark stage: serve an artifact (or the baseline) with vLLM and measure it the way vLLM does.
+
+For each engine variant (`benchmark.engine`, then each of `benchmark.variants` laid over it) the stage
+starts the real OpenAI server (`vllm serve`, quantpipe.server) on 127.0.0.1, warms it up and runs
+vLLM's own serving benchmark (`vllm bench serve`) for every workload x concurrency (measure.py):
+random fixed-length prompts, the validation prompts with their lengths, and a shared-prefix workload
+whose prefix-cache hit rate shows what prefix caching buys (workloads.py). With `benchmark.offline`
+it also runs `vllm bench latency` and `vllm bench throughput` (offline.py). For the baseline of a
+recipe with adapters (and `benchmark.lora`) it serves the unmerged base with the adapters attached at
+request time and compares it with the merged baseline (engine.py, choose.py). An artifact this
+platform cannot serve is reported, not crashed on: decided up front from the checkpoint's scheme and
+the kernels vLLM loaded here, or taken from the log of a server that died (`servable: false`).
+
+    quantpipe run recipes/demo.yaml --stages benchmark
+    run(stage_input("benchmark", recipe, "fp8", base_dir), artifact_dir, out, {})   # by hand, in the serve env
+
+out/results.json (the returned metrics are the same document):
+
+    artifact, method        name ("baseline" for the merged model) and quantization method ("none")
+    servable, reason        false + "not servable here: <why>" when no server could run the default engine
+    status_note             one line for the run log (the reason, or variants that failed), else null
+    platform, platform_info "cpu" | "cuda"; the device and the kernels vLLM loaded
+    engine, engine_notes    effective engine arguments of the default variant (the recipe's, plus dtype,
+                            kv_cache_memory_bytes on CPU...) and sentences on what quantpipe chose and why
+    server_start_s          seconds from `vllm serve` to a healthy /health (default variant)
+    served_path             the stable link the artifact was served through (quantpipe.serving_links)
+    results                 one row per variant x workload x concurrency: variant, workload, kind,
+        concurrency, num_prompts, completed, failed, duration_s, request_throughput (req/s),
+        output_throughput, total_token_throughput (tok/s), ttft_ms, tpot_ms, itl_ms, e2el_ms: {mean,
+        p50, p90, p99}, goodput (req/s meeting every SLO bound; null without an SLO), slo_met (p99s
+        within the SLO and no failed request; null without an SLO), input_tokens_mean,
+        output_tokens_mean, prefix_cache_hit_rate, preemptions, kv_cache_usage_peak (fraction),
+        running_peak, waiting_peak (peaks of the engine's 1 s stats lines), raw (vLLM's JSON, under out/)
+    variants                {name: {engine, engine_notes, servable, reason, server_start_s, memory, port, log}}
+    memory                  default variant: weights_gib (on disk), weights_loaded_gib, kv_cache_tokens,
+                            kv_cache_gib, peak_rss_gib (the server's process tree) or peak_gpu_gib, and
+                            prefix_cache_hit_rate, preemptions, kv_cache_usage_peak over all runs
+    offline                 {latency_s_batch1, latency_s_p50, latency_s_p99, throughput_req_s,
+                            throughput_tok_s (prompt+output), throughput_output_tok_s, input_len,
+                            output_len, num_prompts, latency_wall_s, throughput_wall_s} or {"error": ...};
+                            null when benchmark.offline is false or nothing is servable
+    best                    {variant, concurrency, goodput, reason}: on the first workload, the point that
+                            meets the SLO with the most goodput (no SLO: the most req/s); variant null if none
+    lora                    null, or {servable, reason, adapters, engine, server_start_s, memory, port, log,
+                            results (variant "lora"), comparison: [{workload, concurrency,
+                            output_throughput_ratio, ttft_p50_ratio, tpot_p50_ratio}] (lora / merged), notes}
+    workloads               the workloads as measured (for validation: prompts used and dropped)
+    versions, hardware      vllm, torch, transformers, compressed-tensors; quantpipe.envs.hardware()
+    wall_s                  the stage's wall time
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from ...common.vllm_support import probe_platform, quant_scheme, unservable_reason, variant_engines
+from ...serving_links import stable_path
+from .. import StageError
+from ..contract import BenchmarkInput, Upstream
+from .choose import compare_lora, pick_best
+from .engine import effective_engine, lora_setup
+from .measure import serve_variant
+from .offline import offline
+from .workloads import validation_rows, workload_data
+
+log = logging.getLogger(__name__)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("vllm", "torch", "transformers", "compressed-tensors"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]) -> dict:
+    """Serve `src` with vLLM and measure it (see the module docstring); writes out/results.json. Reads no upstream."""
+    t_stage = time.perf_counter()
+    src, out = Path(src), Path(out)
+    bench = inp.benchmark
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    from ...envs import hardware
+
+    plat = probe_platform()
+    result: dict = {
+        "artifact": inp.artifact, "method": inp.method, "servable": True, "reason": None, "status_note": None,
+        "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None,
+        "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "lora": None, "workloads": [],
+        "versions": _versions(), "hardware": hardware(),
+    }
+
+    def finish() -> dict:
+        result["wall_s"] = round(time.perf_counter() - t_stage, 2)
+        (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+        return result
+
+    reason = unservable_reason(quant_scheme(src), inp.method, plat)
+    if reason:
+        result.update(servable=False, reason=f"not servable here: {reason}", status_note=f"not servable here: {reason}")
+        log.warning("%s: %s", inp.artifact, result["reason"])
+        return finish()
+
+    # Workloads: validate and build their data before any server starts.
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src))
+    except (OSError, ValueError) as e:
+        raise StageError(f"{src}: no usable tokenizer ({str(e)[:200]}); save the tokenizer next to the model") from None
+    vocab = len(tok)
+    workloads = list(bench.workloads)
+    val_rows = validation_rows(workloads, inp.validation)
+    variants = variant_engines(inp)
+    data, need, result["workloads"] = workload_data(workloads, val_rows, variants, tok, out)
+
+    # The baseline's LoRA comparison: the input carries adapters only then (base.model is the unmerged base).
+    lora_flags = lora_names = lora_notes = None
+    if inp.adapters:
+        lora_flags, lora_names, lora_notes = lora_setup(inp.adapters)
+
+    failed_variants = []
+    # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
+    with stable_path(src) as served:
+        result["served_path"] = str(served)
+        for vname, e in variants:
+            engine, notes = effective_engine(e, inp, src, plat, need)
+            info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab)
+            info["engine_notes"] = notes
+            result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
+            result["results"] += info["rows"]
+            if vname == "default":
+                result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
+                if not info["servable"]:
+                    result.update(servable=False, reason=info["reason"], status_note=info["reason"])
+                    return finish()
+                result["memory"] = info["memory"]
+                if bench.offline:
+                    result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
+            elif not info["servable"]:
+                failed_variants.append(vname)
+
+    if lora_flags:
+        base_dir = Path(inp.base.model)
+        engine, notes = effective_engine(bench.engine, inp, base_dir, plat, need)
+        info = serve_variant("lora", base_dir, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
+                             extra_args=lora_flags, lora_names=lora_names)
+        merged_rows = [r for r in result["results"] if r["variant"] == "default"]
+        result["lora"] = {
+            "servable": info["servable"], "reason": info["reason"], "adapters": {n: a.path for n, a in zip(lora_names, inp.adapters)},
+            "engine": {**engine, "lora_flags": lora_flags}, "server_start_s": info.get("server_start_s"), "memory": info.get("memory"),
+            "port": info.get("port"),
+            "results": info["rows"], "comparison": compare_lora(info["rows"], merged_rows), "notes": lora_notes + notes,
+            "log": info["log"],
+        }
+
+    result["best"] = pick_best(result["results"], bench)
+    if failed_variants:
+        result["status_note"] = "variants not servable here: " + ", ".join(failed_variants)
+    return finish()

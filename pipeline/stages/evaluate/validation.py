@@ -1,0 +1,201 @@
+"""The validation set: reading and checking its rows, encoding its prompts, scoring the outputs.
+
+Light (no torch): `quantpipe check` reads the rows with `load_validation` before anything runs, and
+both backends score with `score_output`, so a row means the same under hf and vllm. `json_valid`
+checks the output against `evaluation.validation.json_schema` with the jsonschema library (Draft 2020-12).
+
+    from quantpipe.stages.evaluate import load_validation
+    rows = load_validation("data/val.jsonl", "exact_match")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+
+from .. import StageError
+
+METRICS = ("exact_match", "contains", "regex", "json_valid")
+
+
+def load_validation(path: str | Path, default_metric: str, schema_path: str | None = None) -> list[dict]:
+    """Read and check a validation JSONL; a bad row raises StageError naming file:line."""
+    p = Path(path)
+    if not p.is_file():
+        raise StageError(f"evaluation.validation.path: {p} does not exist; point it at a JSONL file")
+    rows = []
+    with open(p, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise StageError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise StageError(f"{where}: expected a JSON object with `prompt` (or `messages`) and `reference`, got {type(row).__name__}")
+            has_prompt, has_msgs = "prompt" in row, "messages" in row
+            if has_prompt == has_msgs:
+                raise StageError(f"{where}: give exactly one of `prompt` (text) or `messages` (chat turns)")
+            if has_prompt and not (isinstance(row["prompt"], str) and row["prompt"]):
+                raise StageError(f"{where}: `prompt` must be a non-empty string")
+            if has_msgs:
+                msgs = row["messages"]
+                if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)):
+                    raise StageError(f"{where}: `messages` must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects with string values")
+            metric = row.get("metric", default_metric)
+            if metric not in METRICS:
+                raise StageError(f"{where}: unknown metric {metric!r}; use one of {', '.join(METRICS)}")
+            ref = row.get("reference")
+            if metric != "json_valid" or ref is not None:
+                if not isinstance(ref, str) or not ref.strip():
+                    raise StageError(f"{where}: `reference` must be a non-empty string (metric {metric})")
+            if metric == "regex":
+                try:
+                    re.compile(ref)
+                except re.error as e:
+                    raise StageError(f"{where}: `reference` is not a valid regular expression ({e}); escape it or use metric contains") from None
+            rows.append({**row, "metric": metric, "_where": where, "_line": line_no})
+    if not rows:
+        raise StageError(f"{p}: no rows; add JSON lines with `prompt` and `reference`")
+    if schema_path:
+        schema = _load_schema(schema_path)
+        for r in rows:
+            r["_schema"] = schema
+    return rows
+
+
+def score_output(output: str, row: dict) -> float:
+    """1.0 when the model's output satisfies the row's metric, else 0.0."""
+    metric, ref = row["metric"], row.get("reference")
+    if metric == "exact_match":
+        return float(output.strip() == ref.strip())
+    if metric == "contains":
+        return float(ref.strip() in output)
+    if metric == "regex":
+        return float(re.search(ref, output) is not None)
+    if metric == "json_valid":
+        text = output.strip()
+        m = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.S)  # models like to fence JSON
+        try:
+            value = json.loads(m.group(1) if m else text)
+        except ValueError:
+            return 0.0
+        schema = row.get("_schema")
+        return float(schema is None or not schema_errors(value, schema))
+    raise StageError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
+
+
+def schema_errors(value, schema: dict) -> list[str]:
+    """jsonschema's messages for each way `value` breaks `schema` (Draft 2020-12); [] when it matches."""
+    jsonschema = _jsonschema()
+    return [e.message for e in jsonschema.Draft202012Validator(schema).iter_errors(value)]
+
+
+def _jsonschema():
+    try:
+        import jsonschema
+    except ImportError:
+        raise StageError(
+            f"evaluation.validation.json_schema needs the jsonschema package, which this environment ({sys.executable}) lacks; "
+            "scripts/setup_envs.sh rebuilds the environments from their locks, which include it"
+        ) from None
+    return jsonschema
+
+
+def _load_schema(path: str) -> dict:
+    """The schema file, refused unless it is a valid Draft 2020-12 JSON Schema whose every `$ref` resolves."""
+    p = Path(path)
+    try:
+        schema = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StageError(f"evaluation.validation.json_schema: cannot read {p} as JSON ({e}); give a JSON Schema file") from None
+    if not isinstance(schema, dict):
+        raise StageError(f"evaluation.validation.json_schema: {p} must hold a JSON object (a JSON Schema)")
+    jsonschema = _jsonschema()
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "".join(f"[{k!r}]" for k in e.path) or "the top level"
+        raise StageError(f"evaluation.validation.json_schema: {p} is not a valid JSON Schema (Draft 2020-12): {e.message} at {where}; fix it there") from None
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012
+
+    root = DRAFT202012.create_resource(schema)
+    base = root.id() or ""
+    try:
+        _resolve_refs(Registry().with_resource(base, root).resolver(base), root)
+    except Unresolvable as e:
+        raise StageError(
+            f"evaluation.validation.json_schema: {p} has a $ref that does not resolve ({e}); point it at a definition in the "
+            "same file (e.g. \"#/$defs/name\"): the schema is read offline, so other files and URLs are not fetched"
+        ) from None
+    return schema
+
+
+def _resolve_refs(resolver, resource) -> None:
+    """Look up every `$ref` of the schema (relative to the `$id` above it), so a broken one is refused before any model runs."""
+    contents = resource.contents
+    if isinstance(contents, dict) and isinstance(contents.get("$ref"), str):
+        resolver.lookup(contents["$ref"])
+    for sub in resource.subresources():
+        _resolve_refs(resolver.in_subresource(sub), sub)
+
+
+def encode_prompt(tok, row: dict, add_bos: bool) -> list[int]:
+    """Prompt ids: raw text with the tokenizer's own BOS rule; chat `messages` through the chat template, never a double BOS."""
+    if "messages" in row:
+        if not getattr(tok, "chat_template", None):
+            raise StageError(f"{row['_where']}: the row has chat `messages` but the tokenizer has no chat template; give a `prompt` instead")
+        text = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    else:
+        text = row["prompt"]
+    starts_with_bos = tok.bos_token is not None and text.startswith(tok.bos_token)
+    return tok(text, add_special_tokens=add_bos and not starts_with_bos)["input_ids"]
+
+
+def continuation(row: dict) -> str:
+    """The reference as the text that follows the prompt: a raw prompt and a reference that meet without
+    whitespace get one space between them (lm-eval's default target_delimiter), so "2 plus 2 is" + "4"
+    is scored as " 4", the continuation the model would write. Chat prompts end in the template's own
+    generation prompt and take the reference as it is."""
+    ref = row["reference"]
+    if "prompt" in row and not row["prompt"][-1:].isspace() and not ref[:1].isspace():
+        return " " + ref
+    return ref
+
+
+def output_text(tok, token_ids, stop: list[str]) -> str:
+    """The generated tokens as text, cut at the first of each stop string."""
+    text = tok.decode(token_ids, skip_special_tokens=True)
+    for s in stop:
+        text = text.split(s, 1)[0]
+    return text
+
+
+def row_id(row: dict) -> str:
+    key = {k: row.get(k) for k in ("prompt", "messages", "reference", "metric")}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def score_validation(rows: list[dict], texts: list[str], cfg, out: Path, scores) -> dict:
+    """Each output scored by its row's metric, into `scores`; the outputs written to validation_outputs.jsonl."""
+    per_row, by_metric = [], {}
+    with open(out / "validation_outputs.jsonl", "w") as f:
+        for row, text in zip(rows, texts):
+            score = score_output(text, row)
+            per_row.append(score)
+            by_metric.setdefault(row["metric"], []).append(score)
+            f.write(json.dumps({"line": row["_line"], "metric": row["metric"], "reference": row.get("reference"), "output": text, "score": score}, ensure_ascii=False) + "\n")
+    metric = cfg.metric if set(by_metric) == {cfg.metric} else "mixed"
+    scores.per_example[f"validation/{metric}"] = per_row
+    scores.ids["validation"] = [row_id(r) for r in rows]
+    result = {"metric": metric, "score": sum(per_row) / len(per_row), "n": len(per_row)}
+    if metric == "mixed":
+        result["by_metric"] = {m: {"score": sum(v) / len(v), "n": len(v)} for m, v in sorted(by_metric.items())}
+    return result

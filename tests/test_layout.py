@@ -1,0 +1,81 @@
+"""The code's shape: cache keys follow the code a stage imports, no import cycles, stages independent, modules small."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from quantpipe.envs import PACKAGE_DIR, STAGES, _module_file, import_closure, imports_of, source_hash
+
+MAX_MODULE_LINES = 400
+
+
+def _modules(root: Path = PACKAGE_DIR) -> list[str]:
+    names = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        names.append(".".join(["quantpipe", *parts]))
+    return names
+
+
+def test_package_key_changes_with_a_module_it_reaches_only_through_another(tmp_path):
+    """The package stage reaches common/gates.py only through its card module: editing it changes the package's
+    code hash (and so its cache key), and leaves the merge stage's alone."""
+    root = tmp_path / "quantpipe"
+    shutil.copytree(PACKAGE_DIR, root, ignore=shutil.ignore_patterns("__pycache__"))
+    before = {k: source_hash(k, root) for k in STAGES}
+    assert root / "common" / "gates.py" in import_closure("quantpipe.stages.package", root)
+    assert "quantpipe.common.gates" not in imports_of("quantpipe.stages.package", root)  # indirect, through card.py
+    with open(root / "common" / "gates.py", "a") as f:
+        f.write("\nMIN_RECOVERY_DEFAULT = None\n")
+    after = {k: source_hash(k, root) for k in STAGES}
+    assert after["package"] != before["package"]
+    assert after["merge"] == before["merge"] and after["quantize"] == before["quantize"]
+
+
+def test_code_hash_covers_the_templates_a_stage_renders(tmp_path):
+    root = tmp_path / "quantpipe"
+    shutil.copytree(PACKAGE_DIR, root, ignore=shutil.ignore_patterns("__pycache__"))
+    before = source_hash("package", root)
+    with open(root / "templates" / "model_card.md.j2", "a") as f:
+        f.write("\n")
+    assert source_hash("package", root) != before
+    assert source_hash("merge", root) == source_hash("merge", PACKAGE_DIR)
+
+
+def test_no_import_cycles():
+    """Module-level and function-level imports between quantpipe modules form no cycle."""
+    graph = {m: {d for d in imports_of(m) if d != m and _module_file(d, PACKAGE_DIR) is not None} for m in _modules()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if m.startswith(d + "."):  # a module importing its own package's __init__ is not a cycle of code
+                continue
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_stages_never_import_each_other():
+    stages = {"quantpipe.stages." + k for k in STAGES}
+    for s in stages:
+        own = {m for m in _modules() if m == s or m.startswith(s + ".")}
+        for m in own:
+            others = {d for d in imports_of(m) for o in stages - {s} if d == o or d.startswith(o + ".")}
+            assert not others, f"{m} imports {others}: move what they share to quantpipe.common"
+
+
+def test_no_module_over_400_lines():
+    long = {str(f.relative_to(PACKAGE_DIR)): n for f in PACKAGE_DIR.rglob("*.py") if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their seams): {long}"

@@ -1,0 +1,131 @@
+"""The scheduler's rules on simulated GPUs: benchmarks alone on their GPU, quantize/evaluate packed by estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from quantpipe.run.schedule import GIB, Gpu, Scheduler, default_jobs, gpus
+
+
+def two_gpus(gib: int = 80) -> list[Gpu]:
+    return [Gpu("0", gib * GIB), Gpu("1", gib * GIB)]
+
+
+def est(gpu_gib: float, ram_gib: float = 1) -> dict:
+    return {"gpu_bytes": int(gpu_gib * GIB), "ram_bytes": int(ram_gib * GIB)}
+
+
+def test_quantize_stages_pack_on_one_gpu_while_they_fit():
+    s = Scheduler(two_gpus(), jobs=8)
+    grants = [s.try_start(f"quantize:{i}", "quantize", est(30)) for i in range(4)]
+    assert all(grants)
+    on = [g.gpus[0] for g in grants]
+    # 30 GiB each: two fit an 80 GiB GPU, so four stages take both GPUs twice
+    assert sorted(on) == ["0", "0", "1", "1"]
+    assert s.try_start("quantize:4", "quantize", est(30)) is None  # 60 of 80 GiB used on each: 30 more do not fit
+
+
+def test_benchmark_gets_a_gpu_to_itself_and_nothing_joins_it():
+    s = Scheduler(two_gpus(), jobs=8)
+    q = s.try_start("quantize:a", "quantize", est(5))
+    b = s.try_start("benchmark:baseline", "benchmark", est(0))
+    assert b is not None and b.exclusive and b.gpus != q.gpus
+    assert s.try_start("quantize:b", "quantize", est(5)).gpus == q.gpus  # never onto the benchmark's GPU
+    assert s.try_start("benchmark:a", "benchmark", est(0)) is None  # both GPUs busy
+
+
+def test_a_waiting_benchmark_reserves_the_gpu_it_waits_for():
+    s = Scheduler(two_gpus(), jobs=8)
+    s.try_start("quantize:a", "quantize", est(5))
+    s.try_start("quantize:b", "quantize", est(5))  # the emptiest GPU: one stage on each
+    assert s.try_start("benchmark:a", "benchmark", est(0)) is None
+    reserved = set(s.reserved)
+    assert len(reserved) == 1 and s.reserved[next(iter(reserved))] == "benchmark:a"
+    later = s.try_start("quantize:c", "quantize", est(5))
+    assert later.gpus[0] not in reserved  # shared stages go elsewhere
+    holder = next(sid for sid, g in s.running.items() if g.gpus[0] in reserved)
+    s.finish(holder)
+    got = s.try_start("benchmark:a", "benchmark", est(0))
+    assert got is not None and got.gpus == sorted(reserved) and not s.reserved
+
+
+def test_without_gpus_a_benchmark_runs_alone():
+    s = Scheduler([], jobs=4)
+    assert s.try_start("merge", "merge", est(0)) is not None
+    assert s.try_start("benchmark:baseline", "benchmark", est(0)) is None
+    s.finish("merge")
+    assert s.try_start("benchmark:baseline", "benchmark", est(0)) is not None
+    assert s.try_start("package:a", "package", est(0)) is None
+
+
+def test_jobs_and_ram_cap_concurrency_but_one_stage_always_starts():
+    s = Scheduler(two_gpus(), ram_bytes=10 * GIB, jobs=2)
+    assert s.try_start("merge", "merge", est(0, ram_gib=50)) is not None  # alone, whatever its estimate
+    assert s.try_start("quantize:a", "quantize", est(1, ram_gib=1)) is None  # over the RAM budget beside it
+    s.finish("merge")
+    assert s.try_start("quantize:a", "quantize", est(1, 4)) and s.try_start("quantize:b", "quantize", est(1, 4))
+    assert s.try_start("quantize:c", "quantize", est(1, 1)) is None  # jobs=2
+    assert default_jobs(0) == 1 and default_jobs(2) == 8
+
+
+def test_simulated_gpus_and_gpu_selection(monkeypatch):
+    monkeypatch.setenv("QUANTPIPE_GPUS", "2x24")
+    assert [(g.index, g.total_bytes) for g in gpus()] == [("0", 24 * GIB), ("1", 24 * GIB)]
+    assert [g.index for g in gpus("1")] == ["1"]
+    with pytest.raises(ValueError, match="--gpus: no GPU 3 on this host"):
+        gpus("3")
+
+
+# --- real stages on the tiny model, two simulated GPUs ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_path):
+    """The tiny recipe (merge, two artifacts, evaluation, three benchmarks, packages) run with QUANTPIPE_GPUS=2 and
+    --jobs 4 as a user runs it: every stage ok, each started after what it reads, stages shared a GPU at once,
+    nothing shared a benchmark's GPU while it ran, and the report draws the timeline."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "sched", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
+        "base": {"model": str(tiny.llama)}, "adapters": [{"path": str(tiny.llama_lora)}],
+        "artifacts": [{"name": "fp8", "method": "fp8"}, {"name": "rtn", "method": "rtn", "group_size": 128}],
+        "evaluation": {"validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
+        "benchmark": {"workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+                      "concurrency": [1], "offline": False, "lora": False, "engine": {"enforce_eager": True}},
+    }))
+    env = {**os.environ, "QUANTPIPE_GPUS": "2"}
+    res = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(recipe), "--jobs", "4"], capture_output=True, text=True,
+                         env=env, timeout=1800)
+    assert res.returncode in (0, 3), res.stderr[-4000:]
+    run_dir = next((tmp_path / "out" / "runs").glob("*/run.json")).parent
+    rec = json.loads((run_dir / "run.json").read_text())
+    stages = rec["stages"]
+    assert all(s["status"] == "ok" for s in stages.values()), {k: s.get("error") for k, s in stages.items() if s["status"] != "ok"}
+    assert rec["scheduler"] == {"gpus": ["0", "1"], "jobs": 4}
+    deps = {"quantize": ["merge"], "evaluate": ["merge"], "benchmark": ["merge"], "package": ["merge"]}
+    for sid, s in stages.items():
+        kind, _, art = sid.partition(":")
+        need = list(deps.get(kind, []))
+        if art and art != "baseline" and kind != "quantize":
+            need.append(f"quantize:{art}")
+        if kind == "evaluate" and art != "baseline":
+            need.append("evaluate:baseline")
+        for d in need:
+            assert stages[d]["end_s"] <= s["start_s"] + 1e-3, f"{sid} started before {d} ended"
+    overlap = lambda a, b: a["start_s"] < b["end_s"] and b["start_s"] < a["end_s"]  # noqa: E731
+    shared = [(a, b) for a in stages for b in stages if a < b and set(stages[a]["devices"]) & set(stages[b]["devices"])
+              and overlap(stages[a], stages[b])]
+    assert shared, "no two stages ever shared a GPU at once"
+    for sid, s in stages.items():
+        if sid.startswith("benchmark:"):
+            assert s["devices"], sid
+            others = [o for o in stages if o != sid and set(stages[o]["devices"]) & set(s["devices"]) and overlap(stages[o], s)]
+            assert not others, f"{sid} shared its GPU with {others}"
+    assert (run_dir / "plots" / "timeline.png").is_file()
