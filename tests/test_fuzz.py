@@ -16,11 +16,9 @@ divide the layers of models of other widths, bad arguments.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from helpers.fakes import TASK_YAML, safetensors
 from quantpipe.cli import main
 from quantpipe.recipe import AWQ, FP8, GPTQ, Adapter, Base, Benchmark, Calibration, CalibrationSource, Engine, Evaluation, Gates, LmEval, Package, Recipe, Validation, W8A8Int8, Workload
 
@@ -49,37 +48,12 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "max_position_embeddings": 2048}
 TASK = "fuzz_task"  # the lm-eval task of the world's include_path
 COMMANDS = [["run"], ["check"], ["run", "--dry-run"]]  # the commands a bad recipe goes through
-TASK_YAML = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{q}}}}"
-doc_to_target: "{{{{a}}}}"
-metric_list:
-  - metric: exact_match
-"""
-
-
-def _safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
-    """A real safetensors file of zeros (bf16) with these shapes."""
-    header, off = {}, 0
-    for k, shape in tensors.items():
-        n = 2
-        for s in shape:
-            n *= s
-        header[k] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    h = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * off)
 
 
 def _adapter(d: Path, base: str, shapes: dict[str, list[int]]) -> Path:
     d.mkdir()
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base, "r": 8}))
-    _safetensors(d / "adapter_model.safetensors", shapes)
+    safetensors(d / "adapter_model.safetensors", shapes)
     return d
 
 
@@ -95,7 +69,7 @@ def world(tmp_path_factory) -> Path:
     model = w / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
-    _safetensors(model / "model.safetensors", {"model.embed_tokens.weight": [1024, 256]})
+    safetensors(model / "model.safetensors", {"model.embed_tokens.weight": [1024, 256]})
     _adapter(w / "adapter", str(model), {**_lora(0, "q_proj", 256, 256), **_lora(3, "down_proj", 768, 256)})
     other = w / "other-model"
     other.mkdir()
@@ -111,7 +85,7 @@ def world(tmp_path_factory) -> Path:
     bad_conf = w / "adapter-bad-config"
     bad_conf.mkdir()
     (bad_conf / "adapter_config.json").write_text("{not json")
-    _safetensors(bad_conf / "adapter_model.safetensors", _lora(0, "q_proj", 256, 256))
+    safetensors(bad_conf / "adapter_model.safetensors", _lora(0, "q_proj", 256, 256))
     pickle_model = w / "pickle-model"
     pickle_model.mkdir()
     (pickle_model / "config.json").write_text(json.dumps(CONFIG))
@@ -653,7 +627,7 @@ def test_group_sizes_that_do_not_divide_the_layers_are_refused(world, heads, int
     m = d / "model"
     m.mkdir()
     (m / "config.json").write_text(json.dumps({**CONFIG, "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": 1, "intermediate_size": i}))
-    _safetensors(m / "model.safetensors", {"model.embed_tokens.weight": [8, h]})
+    safetensors(m / "model.safetensors", {"model.embed_tokens.weight": [8, h]})
     data = good(world, d)
     data["base"]["model"], data["adapters"] = str(m), []
     data["artifacts"] = [{"name": "q", "method": method, "group_size": g}]

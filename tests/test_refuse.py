@@ -16,41 +16,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from helpers.fakes import TASK_YAML, safetensors
 from quantpipe.cli import main
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 768, "vocab_size": 1024, "max_position_embeddings": 1024,
          "tie_word_embeddings": False}
 SMOLLM2 = {**LLAMA, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
-TASK = """task: {name}
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{q}}}}"
-doc_to_target: "{{{{a}}}}"
-metric_list:
-  - metric: exact_match
-"""
-
-
-def safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
-    header, off = {}, 0
-    for k, shape in tensors.items():
-        n = 2 * shape[0] * shape[1]
-        header[k] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + n]}
-        off += n
-    h = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(h)) + h + b"\0" * off)
 
 
 def model(d: Path, config: dict, tokenizer: dict | None = None) -> Path:
@@ -76,7 +54,7 @@ def world(tmp_path) -> Path:
     (tmp_path / "val.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "reference": str(i + 1)}) + "\n" for i in range(4)))
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "refuse.jsonl").write_text(json.dumps({"q": "2+2=", "a": "4"}) + "\n")
-    (tmp_path / "tasks" / "refuse.yaml").write_text(TASK.format(name="refuse_task", data=tmp_path / "tasks" / "refuse.jsonl"))
+    (tmp_path / "tasks" / "refuse.yaml").write_text(TASK_YAML.format(name="refuse_task", data=tmp_path / "tasks" / "refuse.jsonl"))
     (tmp_path / "notes.txt").write_text("a file, not a folder\n")
     return tmp_path
 
