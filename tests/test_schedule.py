@@ -15,14 +15,21 @@ def est(gpu_gib: float, ram_gib: float = 1) -> dict:
     return {"gpu_bytes": int(gpu_gib * GIB), "ram_bytes": int(ram_gib * GIB)}
 
 
-def test_quantize_stages_pack_on_one_gpu_while_they_fit():
+def test_quantize_stages_pack_on_the_busiest_gpu_they_fit():
     s = Scheduler(two_gpus(), jobs=8)
     grants = [s.try_start(f"quantize:{i}", "quantize", est(30)) for i in range(4)]
     assert all(grants)
-    on = [g.gpus[0] for g in grants]
-    # 30 GiB each: two fit an 80 GiB GPU, so four stages take both GPUs twice
-    assert sorted(on) == ["0", "0", "1", "1"]
+    # 30 GiB each: two fill GPU 0 as far as they fit (80 GiB), the next go to GPU 1
+    assert [g.gpus[0] for g in grants] == ["0", "0", "1", "1"]
     assert s.try_start("quantize:4", "quantize", est(30)) is None  # 60 of 80 GiB used on each: 30 more do not fit
+
+
+def test_shared_stages_leave_an_idle_gpu_for_a_benchmark():
+    s = Scheduler(two_gpus(), jobs=8)
+    for i in range(3):
+        assert s.try_start(f"quantize:{i}", "quantize", est(5)).gpus == ["0"]  # packed: GPU 1 stays idle
+    b = s.try_start("benchmark:baseline", "benchmark", est(0))
+    assert b is not None and b.gpus == ["1"] and b.exclusive
 
 
 def test_benchmark_gets_a_gpu_to_itself_and_nothing_joins_it():
@@ -34,19 +41,13 @@ def test_benchmark_gets_a_gpu_to_itself_and_nothing_joins_it():
     assert s.try_start("benchmark:a", "benchmark", est(0)) is None  # both GPUs busy
 
 
-def test_a_waiting_benchmark_reserves_the_gpu_it_waits_for():
-    s = Scheduler(two_gpus(), jobs=8)
-    s.try_start("quantize:a", "quantize", est(5))
-    s.try_start("quantize:b", "quantize", est(5))  # the emptiest GPU: one stage on each
-    assert s.try_start("benchmark:a", "benchmark", est(0)) is None
-    reserved = set(s.reserved)
-    assert len(reserved) == 1 and s.reserved[next(iter(reserved))] == "benchmark:a"
-    later = s.try_start("quantize:c", "quantize", est(5))
-    assert later.gpus[0] not in reserved  # shared stages go elsewhere
-    holder = next(sid for sid, g in s.running.items() if g.gpus[0] in reserved)
-    s.finish(holder)
-    got = s.try_start("benchmark:a", "benchmark", est(0))
-    assert got is not None and got.gpus == sorted(reserved) and not s.reserved
+def test_a_benchmark_waits_for_an_idle_gpu_and_then_has_it_alone():
+    s = Scheduler([Gpu("0", 80 * GIB)], jobs=8)
+    assert s.try_start("quantize:a", "quantize", est(5)) is not None
+    assert s.try_start("benchmark:a", "benchmark", est(0)) is None  # the only GPU is in use
+    s.finish("quantize:a")
+    assert s.try_start("benchmark:a", "benchmark", est(0)).gpus == ["0"]
+    assert s.try_start("quantize:b", "quantize", est(5)) is None  # nothing joins a benchmark's GPU
 
 
 def test_without_gpus_a_benchmark_runs_alone():

@@ -3,11 +3,12 @@
 - a benchmark gets its GPUs to itself for its whole length (nothing else on them, or its figures are not
   worth publishing); on a host without GPUs it runs alone;
 - quantize and evaluate share GPUs, packed by their pre-flight GPU-memory estimates (their RAM estimate
-  where no GPU estimate exists, as on a host whose GPUs are simulated);
+  where no GPU estimate exists, as on a host whose GPUs are simulated) onto the busiest GPU they fit, so
+  that other GPUs stay idle for benchmarks;
 - merge and package use no GPU; every stage counts against the RAM budget; `jobs` caps how many run.
-A benchmark that is ready but blocked reserves the GPU it waits for, so that shared stages started
-later go elsewhere and it is not starved. One stage always may start when nothing runs (pre-flight has
-already refused a stage that fits no GPU or not in RAM alone).
+A benchmark starts on a GPU as soon as it is idle: the runner offers stages in plan order, and the baseline's
+and each artifact's benchmark come before the stages planned after them. One stage always may start when
+nothing runs (pre-flight has already refused a stage that fits no GPU or not in RAM alone).
 
     sched = Scheduler(gpus("0,1"), ram_bytes=64 << 30, jobs=4)
     grant = sched.try_start("quantize:awq", "quantize", est)   # -> Grant(gpus=["0"]) or None
@@ -83,7 +84,6 @@ class Scheduler:
     ram_bytes: int | None = None
     jobs: int = 1
     running: dict[str, Grant] = field(default_factory=dict)
-    reserved: dict[str, str] = field(default_factory=dict)  # gpu index -> the benchmark waiting for it
 
     def _users(self, index: str) -> list[Grant]:
         return [g for g in self.running.values() if index in g.gpus]
@@ -92,7 +92,7 @@ class Scheduler:
         return gpu.total_bytes - sum(g.gpu_bytes for g in self._users(gpu.index))
 
     def try_start(self, sid: str, kind: str, est: dict | None, n_gpus: int = 1) -> Grant | None:
-        """A grant if `sid` may start now, else None (and a blocked benchmark reserves the GPUs it waits for)."""
+        """A grant if `sid` may start now, else None."""
         est = est or {}
         ram = int(est.get("ram_bytes") or 0)
         if len(self.running) >= max(1, self.jobs):
@@ -105,29 +105,22 @@ class Scheduler:
             return None  # a benchmark on a host without GPUs runs alone
         if kind in SHARED and self.gpus:
             need = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0)
-            fits = [g for g in self.gpus if g.index not in self.reserved and not any(u.exclusive for u in self._users(g.index))
+            fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index))
                     and (self._free_bytes(g) >= need or not self._users(g.index))]
             if not fits:
                 return None
-            gpu = max(fits, key=self._free_bytes)  # the emptiest GPU
+            gpu = min(fits, key=lambda g: (not self._users(g.index), self._free_bytes(g)))  # the busiest GPU it fits
             return self._grant(sid, Grant([gpu.index], need, ram))
         return self._grant(sid, Grant([], 0, ram))
 
     def _exclusive(self, sid: str, ram: int, n_gpus: int) -> Grant | None:
         if not self.gpus:
             return self._grant(sid, Grant([], 0, ram, exclusive=True)) if not self.running else None
-        mine = [i for i, s in self.reserved.items() if s == sid]
-        idle = [g.index for g in self.gpus if not self._users(g.index) and self.reserved.get(g.index) in (None, sid)]
-        if len(idle) >= n_gpus:
-            take = (mine + [i for i in idle if i not in mine])[:n_gpus]
-            for i in take:
-                self.reserved.pop(i, None)
-            return self._grant(sid, Grant(take, sum(g.total_bytes for g in self.gpus if g.index in take), ram, exclusive=True))
-        # reserve the least busy GPUs it does not hold yet, so that it is not starved by shared stages
-        free = sorted((g for g in self.gpus if g.index not in self.reserved), key=lambda g: len(self._users(g.index)))
-        for g in free[: max(0, n_gpus - len(mine))]:
-            self.reserved[g.index] = sid
-        return None
+        idle = [g for g in self.gpus if not self._users(g.index)]
+        if len(idle) < n_gpus:
+            return None
+        take = idle[:n_gpus]
+        return self._grant(sid, Grant([g.index for g in take], sum(g.total_bytes for g in take), ram, exclusive=True))
 
     def _grant(self, sid: str, grant: Grant) -> Grant:
         self.running[sid] = grant
