@@ -32,10 +32,9 @@ test-all: tiny
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
-# ruff: lint and format check (pyproject.toml holds its settings)
+# ruff lint (pyproject.toml holds its settings; `ruff format` is configured there too)
 lint: setup
 	"$$(cat .venv/quantize/.shared)/bin/ruff" check pipeline tests scripts bench
-	"$$(cat .venv/quantize/.shared)/bin/ruff" format --check pipeline tests scripts bench
 
 clean:
 	rm -rf out .pytest_cache

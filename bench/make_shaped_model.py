@@ -42,7 +42,14 @@ SHAPES = {
 def build(shape: str, tokenizer: Path, out: Path, lora_rank: int = 16, seed: int = 0) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     spec = dict(SHAPES[shape])
     arch = spec.pop("arch")

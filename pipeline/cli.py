@@ -104,7 +104,7 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select):
     """Run RECIPE's stages, reusing every cached one."""
     from .envs import EnvError
-    from .run.runner import KINDS, Runner, RunError
+    from .run.runner import KINDS, RunError, Runner
 
     r = _load(recipe)
     kinds = _csv(stages)

@@ -27,12 +27,30 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import TASK_YAML, safetensors
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from helpers.fakes import TASK_YAML, safetensors
 from quantpipe.cli import main
-from quantpipe.recipe import AWQ, FP8, GPTQ, Adapter, Base, Benchmark, Calibration, CalibrationSource, Engine, Evaluation, Gates, LmEval, Package, Recipe, Validation, W8A8Int8, Workload
+from quantpipe.recipe import (
+    AWQ,
+    FP8,
+    GPTQ,
+    Adapter,
+    Base,
+    Benchmark,
+    Calibration,
+    CalibrationSource,
+    Engine,
+    Evaluation,
+    Gates,
+    LmEval,
+    Package,
+    Recipe,
+    Validation,
+    W8A8Int8,
+    Workload,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from quantpipe.recipe import Recipe
-from quantpipe.stages import StageError
 from quantpipe.run.plan import stage_input
+from quantpipe.stages import StageError
 from quantpipe.stages.contract import Upstream
 from quantpipe.stages.package import parse_size, run, serve_command, verify_package
 

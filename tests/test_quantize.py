@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from quantpipe.run.plan import stage_input
-
 from quantpipe.recipe import Recipe
+from quantpipe.run.plan import stage_input
 
 # name -> artifact settings. Every 4-bit one uses group size 128, and each calibrated method has an
 # uncalibrated twin of the same scheme: GPTQ W4A16 vs RTN W4A16, AWQ W4A16_ASYM (its default) vs RTN

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-
 from helpers.fakes import TASK_YAML, safetensors
+
 from quantpipe.cli import main
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,

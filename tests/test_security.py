@@ -20,15 +20,16 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from quantpipe.cache import StageCache
 from quantpipe.cli import main
+from quantpipe.ports import HOST
 from quantpipe.recipe import Recipe, load
 from quantpipe.run.plan import build_steps
-from quantpipe.run.process import RedactFilter as _RedactFilter, redact, secrets
+from quantpipe.run.process import RedactFilter as _RedactFilter
+from quantpipe.run.process import redact, secrets
 from quantpipe.run.publish import PublishError, publish
 from quantpipe.run.record import write_record
 from quantpipe.run.runner import Runner
-from quantpipe.cache import StageCache
-from quantpipe.ports import HOST
 from quantpipe.server import Server
 
 REPO = Path(__file__).resolve().parents[1]

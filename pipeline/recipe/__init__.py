@@ -9,10 +9,37 @@ validates without running anything, the files it names included (`quantpipe.inpu
 """
 
 from .load import MAX_RECIPE_BYTES, RecipeError, json_schema, load, parse
-from .methods import AWQ, FP8, GPTQ, GROUPED, METHODS, NAME, RTN, Artifact, Strict, W8A8Int8, _legacy_options, group_sizes
+from .methods import (
+    AWQ,
+    FP8,
+    GPTQ,
+    GROUPED,
+    METHODS,
+    NAME,
+    RTN,
+    Artifact,
+    Strict,
+    W8A8Int8,
+    _legacy_options,
+    group_sizes,
+)
 from .schema import (
-    HUB_ID, SLO, Adapter, Base, Benchmark, Calibration, CalibrationSource, Engine, Evaluation, Gates, LmEval, Package, Recipe,
-    Validation, Variant, Workload,
+    HUB_ID,
+    SLO,
+    Adapter,
+    Base,
+    Benchmark,
+    Calibration,
+    CalibrationSource,
+    Engine,
+    Evaluation,
+    Gates,
+    LmEval,
+    Package,
+    Recipe,
+    Validation,
+    Variant,
+    Workload,
 )
 
 __all__ = [

@@ -7,7 +7,22 @@ import math
 from pathlib import Path
 
 from ..common.fmt import fmt
-from .records import LATENCY_THRESHOLD, MIN_ABS_MS, STAGE_OK, CompareError, _d, _int, _l, _metrics, _num, _pct, _recovery_halfwidth, _s, accuracy_rows, artifact_names
+from .records import (
+    LATENCY_THRESHOLD,
+    MIN_ABS_MS,
+    STAGE_OK,
+    CompareError,
+    _d,
+    _int,
+    _l,
+    _metrics,
+    _num,
+    _pct,
+    _recovery_halfwidth,
+    _s,
+    accuracy_rows,
+    artifact_names,
+)
 
 
 def load_run(path: Path) -> tuple[dict, Path]:

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from .records import _d
 
-
 SPEED_SOURCE = {  # plot footers: [served sweep only, offline benchmarks ran]
     "latency_s_batch1": ["batch-1 latency: vllm bench serve, mean end-to-end latency at concurrency 1",
                          "offline vllm bench latency (batch 1)"],

@@ -6,8 +6,6 @@ import json
 import math
 from pathlib import Path
 
-
-
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 LATENCY_THRESHOLD = 0.10  # relative change of a latency/throughput figure treated as run-to-run noise (CPU runs vary)
 MIN_ABS_MS = 2.0  # a latency change below this many ms is timer/scheduler jitter, whatever its ratio

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from .decide import recommend
 from .kernels import serving_info
-from .records import _d, _int, _l, _metrics, _num, _pct, _recovery_halfwidth, _s, _serve_rows, _workload, accuracy_rows, artifact_names
+from .records import (
+    _d,
+    _int,
+    _l,
+    _metrics,
+    _num,
+    _pct,
+    _recovery_halfwidth,
+    _s,
+    _serve_rows,
+    _workload,
+    accuracy_rows,
+    artifact_names,
+)
 
 
 def summarize(record: dict) -> dict:

@@ -33,8 +33,8 @@ from ..stages.contract import Upstream
 from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, exit_reason, redact, secrets, tail
-from .record import close_dead_runs, index_run, write_record
 from .publish import PublishError, publish
+from .record import close_dead_runs, index_run, write_record
 from .schedule import Grant, Scheduler, default_jobs, gpus
 
 log = logging.getLogger(__name__)

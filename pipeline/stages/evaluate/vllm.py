@@ -76,7 +76,13 @@ def vllm_model(src: Path, le, trust_remote_code: bool, artifact: str, method: st
     # What vLLM can run here and the CPU KV-cache size, decided as for the benchmark stage (common.vllm_support).
     # Not in this stage's cache key: they decide a refusal, never cached, and a KV-cache size, which moves no figure.
     from ...common.hf_config import text_config
-    from ...common.vllm_support import DEFAULT_CPU_KV_BYTES, kv_bytes_per_token, probe_platform, quant_scheme, unservable_reason
+    from ...common.vllm_support import (
+        DEFAULT_CPU_KV_BYTES,
+        kv_bytes_per_token,
+        probe_platform,
+        quant_scheme,
+        unservable_reason,
+    )
 
     plat = probe_platform()
     scheme = quant_scheme(src)

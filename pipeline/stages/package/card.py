@@ -33,8 +33,8 @@ def serve_command(inp, artifact: str, bench: dict) -> dict:
 
 def card_context(inp: PackageInput, config: dict, stages: dict, weights: dict) -> dict:
     """Everything the model card shows, from the package's input and the measured metrics (missing ones stay None)."""
-    from ...envs import git_commit, hardware, versions
     from ...cache import hash_json
+    from ...envs import git_commit, hardware, versions
 
     art, artifact = inp.artifact, inp.artifact.name
     q, ev, bev, bench, bbench = ((stages[r].metrics if stages[r] else {}) for r in ("quantize", "evaluation", "baseline_eval", "benchmark", "baseline_benchmark"))
