@@ -212,8 +212,8 @@ def save_tokenizer(base_tok, flavour: str, out: Path):
         # transformers 5 loads any model_type=qwen2 folder with Qwen2Tokenizer, which rebuilds the
         # pipeline from vocab + merges with Qwen2's own normalizer and pre-tokenizer (digits one by
         # one) whatever tokenizer.json says; write exactly that, so every loader agrees.
-        from tokenizers import Regex, normalizers, pre_tokenizers
         from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+        from tokenizers import Regex, normalizers, pre_tokenizers
 
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([
