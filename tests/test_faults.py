@@ -591,22 +591,36 @@ def test_two_stages_at_once_stop_together_and_fail_alone(tiny, built, tmp_path, 
     recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", artifacts=arts)
     env = {"QUANTPIPE_GPUS": "1"}
 
-    def both_quantizing(run: Run):
-        return run.worker("quantize:a") and run.worker("quantize:b") and all(QUANTIZING in _log(run, f"quantize_{n}") for n in "ab")
+    def hold_both(run: Run):
+        """Stop each worker (SIGSTOP) the moment its log shows quantization under way, so that both are caught
+        mid-quantization however much faster one of them is; returns the two held workers (a, b)."""
+        held: dict[str, psutil.Process] = {}
+
+        def catch():
+            for n in "ab":
+                w = held.get(n) or run.worker(f"quantize:{n}")
+                if n not in held and w is not None and QUANTIZING in _log(run, f"quantize_{n}"):
+                    w.send_signal(signal.SIGSTOP)
+                    held[n] = w
+            return len(held) == 2
+
+        run.until("both quantize stages under way", catch, every_s=0.005)
+        return held["a"], held["b"]
 
     r = runs(recipe, "--jobs", "2", label="sigterm-two", env=env)
-    r.until("both quantize stages under way", lambda: both_quantizing(r), every_s=0.05)
+    held = hold_both(r)
     r.stop(signal.SIGTERM)
+    for w in held:
+        w.send_signal(signal.SIGCONT)  # the forwarded SIGTERM is delivered as they go on
     assert r.wait(60) == 130, r.stderr()[-2000:]
     assert gone(r) == []
     assert set(committed(cache)) == {"merge"} and leftovers(cache) == []
     assert not working(cache, "quantize:a") and not working(cache, "quantize:b")
 
     k = runs(recipe, "--jobs", "2", label="kill-one", env=env)
-    k.until("both quantize stages under way", lambda: both_quantizing(k), every_s=0.05)
-    wa = k.worker("quantize:a")
-    wa.send_signal(signal.SIGSTOP)
+    wa, wb = hold_both(k)
     wa.kill()
+    wb.send_signal(signal.SIGCONT)
     assert k.wait() == 1
     rec = k.record()
     assert rec["stages"]["quantize:a"]["status"] == "failed" and rec["stages"]["quantize:a"]["error"].startswith("killed by SIGKILL")
