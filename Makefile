@@ -6,6 +6,8 @@ QP := .venv/quantize/bin/quantpipe
 
 .PHONY: setup setup-legacy tiny demo test test-long test-all test-fast lint clean
 
+# the two stage environments, from the CPU locks or (nvidia-smi lists a GPU) the CUDA ones; QUANTPIPE_PLATFORM=cpu|cuda
+# overrides that, QUANTPIPE_WHEELHOUSE=DIR installs from a wheel folder only (scripts/wheelhouse.sh makes one)
 setup:
 	scripts/setup_envs.sh
 

