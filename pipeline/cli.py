@@ -6,6 +6,7 @@
     quantpipe schema > recipe.schema.json
     quantpipe verify out/demo/packages/awq
     quantpipe compare RUN_A RUN_B
+    quantpipe doctor                        # platform, GPUs, environments, which schemes vLLM serves here
 
 Exit codes: 0 ok; 1 a stage or the run failed; 2 bad input (recipe, arguments); 3 a release gate
 or a comparison found a regression.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -85,6 +87,31 @@ def schema():
     click.echo(json.dumps(json_schema(), indent=2))
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--no-vllm", is_flag=True, help="Do not import vLLM in the serve environment (faster; no scheme rows).")
+def doctor(as_json, no_vllm):
+    """What this host can build and serve: platform, GPUs, memory, the stage environments and their versions, and
+    which quantized schemes vLLM runs here. Exit 1 when an environment is missing or broken, or vLLM sees no GPU."""
+    from .doctor import problems, report, table
+    from .envs import EnvError, host_platform
+
+    try:
+        host_platform()
+    except EnvError as e:
+        raise BadInput(str(e)) from None
+    rep = report(probe_vllm=not no_vllm)
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+    else:
+        from rich.console import Console
+
+        Console(highlight=False).print(table(rep))
+    found = problems(rep)
+    if found:
+        raise click.ClickException("; ".join(found))
+
+
 STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark, package) or stage ids (quantize:awq); 'all' for every stage."
 
 
@@ -107,6 +134,9 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, job
     from .run.runner import KINDS, RunError, Runner
 
     r = _load(recipe)
+    platform = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
+    if platform and platform not in ("cpu", "cuda"):
+        raise BadInput(f"QUANTPIPE_PLATFORM={platform} is not a platform: use cpu or cuda (or unset it to detect)")
     kinds = _csv(stages)
     if kinds and not kinds <= set(KINDS):
         raise BadInput(f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}")

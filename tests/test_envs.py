@@ -353,3 +353,99 @@ def test_setup_refuses_a_python_other_than_the_locks(cuda_host, tmp_path):
     lock.write_text(lock.read_text().replace(f"# python: {PYVER}", "# python: 3.99"))
     r = cuda_host(_host(tmp_path / "host", "2.11.0+cu130", "13.0"))
     assert r.returncode == 2 and "resolved for CPython 3.99" in r.stderr and "PYTHON=python3.99" in r.stderr
+
+
+# --- quantpipe doctor --------------------------------------------------------------------------------------------
+
+
+def test_doctor_names_a_missing_environment_and_exits_1(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    monkeypatch.setenv("QUANTPIPE_PLATFORM", "cpu")
+    monkeypatch.setenv("QUANTPIPE_PYTHON_SERVE", str(tmp_path / "nowhere" / "python"))
+    monkeypatch.setenv("QUANTPIPE_PYTHON_QUANTIZE", str(tmp_path / "nowhere" / "python"))
+    envs.host_platform.cache_clear()
+    envs.lock_text.cache_clear()
+    r = CliRunner().invoke(main, ["doctor", "--no-vllm", "--json"])
+    envs.lock_text.cache_clear()
+    assert r.exit_code == 1
+    rep = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
+    serve = next(e for e in rep["envs"] if e["env"] == "serve")
+    assert rep["platform"] == "cpu" and serve["status"] == "fail" and "nowhere" in serve["detail"]
+    assert "serve:" in r.stderr and "quantize:" in r.stderr and "make setup" in r.stderr
+
+
+def test_doctor_refuses_an_unknown_platform_override(monkeypatch):
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    monkeypatch.setenv("QUANTPIPE_PLATFORM", "rocm")
+    envs.host_platform.cache_clear()
+    r = CliRunner().invoke(main, ["doctor", "--no-vllm"])
+    envs.host_platform.cache_clear()
+    assert r.exit_code == 2 and "QUANTPIPE_PLATFORM=rocm is not a platform: use cpu or cuda" in r.stderr
+    assert r.stdout == ""
+
+
+@pytest.mark.slow
+def test_doctor_on_a_gpu_host_lists_its_gpus_and_flags_cpu_builds(monkeypatch, tmp_path):
+    """nvidia-smi lists an H200: doctor says cuda and why, shows the GPU and its memory, and marks environments
+    built from the CPU locks; the same with CUDA_VISIBLE_DEVICES hiding it is a problem (exit 1)."""
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    monkeypatch.delenv("QUANTPIPE_PLATFORM", raising=False)
+    monkeypatch.delenv("QUANTPIPE_GPUS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    bin_ = _fake_nvidia_smi(tmp_path / "bin", gpus=1)
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    envs.host_platform.cache_clear()
+    r = CliRunner().invoke(main, ["doctor", "--no-vllm", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
+    assert rep["platform"] == "cuda" and rep["platform_why"] == "nvidia-smi lists a GPU"
+    assert rep["gpus"] == [{"index": "0", "name": "NVIDIA H200", "memory_gib": 140.4}]
+    for e in rep["envs"]:
+        cpu_build = envs.lock_path(e["env"]).name == f"{e['env']}.lock"
+        assert (e["status"] == "warn" and f"{e['env']}-cuda.lock" in e["note"]) if cpu_build else e["status"] == "ok"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    r = CliRunner().invoke(main, ["doctor", "--no-vllm"])
+    envs.host_platform.cache_clear()
+    assert r.exit_code == 1 and "the platform is cuda (nvidia-smi lists a GPU) but no GPU is listed" in r.stderr
+
+
+_PROBE_HERE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("quantpipe", sys.argv[1], submodule_search_locations=[sys.argv[2]])
+mod = importlib.util.module_from_spec(spec); sys.modules["quantpipe"] = mod; spec.loader.exec_module(mod)
+from quantpipe import doctor
+scheme = {label: s for label, _, s, _ in doctor.SCHEMES}
+gpu = {cc: {label: doctor._cuda_verdict(scheme[label], cls, cc)[0] for label, _, _, cls in doctor.SCHEMES if cls} for cc in (80, 90)}
+print("RESULT " + json.dumps({"probe": doctor.probe(), "gpu": gpu}))
+"""
+
+
+@pytest.mark.slow
+def test_doctor_probe_in_the_serve_env_follows_vllms_kernels_and_capabilities():
+    """probe() on this CPU (what vLLM's CPU build serves follows the kernels it loaded), and the GPU verdicts from
+    vLLM's own scheme classes for an A100 (8.0) and an H100/H200 (9.0): W8A8-FP8 only from 8.9, FP8 weight-only below."""
+    pkg = envs.PACKAGE_DIR
+    r = subprocess.run(
+        [str(envs.python_for("serve")), "-c", _PROBE_HERE, str(pkg / "__init__.py"), str(pkg)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")).split(" ", 1)[1])
+    probe, gpu = out["probe"], out["gpu"]
+    assert probe["platform"]["platform"] == "cpu" and probe["cuda_devices"] == 0
+    rows = {row["scheme"]: row["verdict"] for row in probe["schemes"]}
+    assert rows["BF16"] == rows["FP8 W8A8"] == rows["INT8 W8A8"] == "yes" and rows["W8A16"] == "no"
+    assert rows["W4A16"] == ("yes" if probe["platform"]["kernels"]["cpu_gemm_wna16"] else "no")
+    assert gpu["80"]["FP8 W8A8"] == "weight-only" and gpu["90"]["FP8 W8A8"] == "yes"
+    assert gpu["80"]["INT8 W8A8"] == gpu["80"]["W4A16"] == gpu["90"]["W4A16"] == "yes"
