@@ -41,9 +41,9 @@ def summarize(record: dict) -> dict:
         recs = [a["recovery"] for a in acc if a["recovery"] is not None]
         worst = min((a for a in acc if a["recovery"] is not None), key=lambda a: a["recovery"], default=None)
         hw = _recovery_halfwidth(worst) if worst else None
-        val, bval = ev.get("validation") or None, _metrics(record, "evaluate:baseline").get("validation") or None
-        val_score = _num(_d(val).get("score"))
-        val_rec = val_score / bval["score"] if val_score is not None and bval and _num(bval.get("score")) else None
+        val, bval = ev.get("validation") or None, _d(_metrics(record, "evaluate:baseline").get("validation"))
+        val_score, bval_score = _num(_d(val).get("score")), _num(bval.get("score"))
+        val_rec = val_score / bval_score if val_score is not None and bval_score else None
         fid = _d(ev.get("fidelity"))
         offline = _d(bench.get("offline"))
         best = _d(bench.get("best"))
