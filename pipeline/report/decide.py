@@ -23,9 +23,29 @@ RULE = ("Among artifacts that pass every gate, the highest goodput at the SLO; t
 FIGURES = {"goodput": ("goodput at the SLO", "req/s"), "throughput_tok_s": ("throughput", "tok/s"), "recovery": ("accuracy recovery", "")}
 
 
+def sig(v, digits: int = 3) -> str:
+    """A figure to `digits` significant digits without scientific notation for ordinary sizes: 2.54, 173, 0.00056; '—' if None."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
+        return "—"
+    if v == 0 or isinstance(v, int):
+        return str(v)
+    mag = math.floor(math.log10(abs(v)))
+    if mag >= digits - 1:
+        return f"{v:.0f}"
+    if mag < -4:
+        return f"{v:.{digits - 1}e}"
+    return f"{v:.{digits - 1 - mag}f}".rstrip("0").rstrip(".")
+
+
+def slo_text(slo: dict) -> str:
+    """{"ttft_p99_ms": 2000} -> "TTFT p99 ≤ 2000 ms"."""
+    return ", ".join(f"{k.split('_')[0].upper()} {k.split('_')[1]} ≤ {v:g} ms" if k.count("_") >= 2 else f"{k} ≤ {v:g}" for k, v in slo.items())
+
+
 def interval(row: dict, figure: str) -> tuple[float, float] | None:
     """The figure's 95% interval as recorded (recovery: the worst task's CI; goodput: the benchmark's, if it gives one)."""
-    ci = row.get({"recovery": "recovery_ci", "goodput": "goodput_ci", "throughput_tok_s": "throughput_ci"}.get(figure, ""))
+    ci = row.get({"recovery": "recovery_ci", "goodput": "goodput_ci", "throughput_tok_s": "throughput_ci", "kl_mean": "kl_ci",
+                  "top1_agreement": "top1_ci"}.get(figure, ""))
     return (ci[0], ci[1]) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
 
 
@@ -34,7 +54,7 @@ def halfwidth(row: dict, figure: str) -> float | None:
     if ci is not None:
         return (ci[1] - ci[0]) / 2
     v = row.get(figure)
-    if figure != "recovery" and isinstance(v, (int, float)):
+    if figure in ("goodput", "throughput_tok_s") and isinstance(v, (int, float)):
         return LATENCY_THRESHOLD * abs(v)  # speed without an interval: compare's run-to-run noise
     return None
 
@@ -51,6 +71,26 @@ def ties(a: dict, b: dict, figure: str) -> bool:
 def fidelity_key(r: dict) -> tuple:
     kl, top1 = r.get("kl_mean"), r.get("top1_agreement")
     return (kl if kl is not None else math.inf, -(top1 if top1 is not None else -math.inf))
+
+
+def fidelity_cmp(a: dict, b: dict) -> int:
+    """-1 when a is the closer to the baseline, 1 when b is, 0 when their fidelity cannot be told apart: lower KL, then higher
+    top-1 agreement, each beyond the wider of the two 95% intervals where the evaluate stage records them."""
+    for figure, lower in (("kl_mean", True), ("top1_agreement", False)):
+        va, vb = a.get(figure), b.get(figure)
+        if va is None or vb is None:
+            if va is not None or vb is not None:  # only one has the figure: that one
+                return -1 if va is not None else 1
+            continue
+        if ties(a, b, figure) and (interval(a, figure) or interval(b, figure)):
+            continue
+        if va != vb:
+            return (-1 if va < vb else 1) if lower else (-1 if va > vb else 1)
+    return 0
+
+
+def _size(r: dict) -> float:
+    return r["size_bytes"] or math.inf
 
 
 def recommend(rows: list[dict], slo: dict) -> dict:
@@ -82,9 +122,11 @@ def recommend(rows: list[dict], slo: dict) -> dict:
     leader = ranked[0]
     tied = [r for r in ranked if r is leader or ties(leader, r, figure)]
     if len(tied) > 1:
-        tied.sort(key=lambda r: (fidelity_key(r), r["size_bytes"] or math.inf))
+        from functools import cmp_to_key
+
+        tied.sort(key=cmp_to_key(lambda a, b: fidelity_cmp(a, b) or (_size(a) > _size(b)) - (_size(a) < _size(b))))
         choice, runner = tied[0], tied[1]
-        decided_by = "fidelity" if fidelity_key(choice) != fidelity_key(runner) else "size"
+        decided_by = "fidelity" if fidelity_cmp(choice, runner) else "size"
     else:
         choice, runner = leader, (ranked[1] if len(ranked) > 1 else None)
         decided_by = figure
@@ -111,13 +153,15 @@ def separation(a: dict, b: dict | None, decided_by: str, figure: str) -> list[di
             ("throughput_tok_s", "throughput (tok/s)", a.get("throughput_tok_s"), (b or {}).get("throughput_tok_s"), None, None),
             ("recovery", f"accuracy recovery ({a.get('worst_task') or 'worst task'})", a.get("recovery"), (b or {}).get("recovery"),
              interval(a, "recovery"), interval(b or {}, "recovery")),
-            ("kl_mean", "KL vs baseline", a.get("kl_mean"), (b or {}).get("kl_mean"), None, None),
-            ("top1_agreement", "top-1 agreement", a.get("top1_agreement"), (b or {}).get("top1_agreement"), None, None),
+            ("kl_mean", "KL vs baseline", a.get("kl_mean"), (b or {}).get("kl_mean"), interval(a, "kl_mean"), interval(b or {}, "kl_mean")),
+            ("top1_agreement", "top-1 agreement", a.get("top1_agreement"), (b or {}).get("top1_agreement"),
+             interval(a, "top1_agreement"), interval(b or {}, "top1_agreement")),
             ("ttft_p99_ms", "TTFT p99 at that point (ms)", bp_a.get("ttft_p99_ms"), bp_b.get("ttft_p99_ms"), None, None),
             ("tpot_p99_ms", "TPOT p99 at that point (ms)", bp_a.get("tpot_p99_ms"), bp_b.get("tpot_p99_ms"), None, None),
             ("size_bytes", "size", a.get("size_bytes"), (b or {}).get("size_bytes"), None, None)]
     if decided_by == "fidelity":
-        decisive = "kl_mean" if b is not None and a.get("kl_mean") != b.get("kl_mean") else "top1_agreement"
+        kl_tie = b is not None and (a.get("kl_mean") == b.get("kl_mean") or (ties(a, b, "kl_mean") and bool(interval(a, "kl_mean") or interval(b, "kl_mean"))))
+        decisive = "top1_agreement" if kl_tie else "kl_mean"
     else:
         decisive = {"size": "size_bytes"}.get(decided_by, figure)
     out = []
@@ -135,17 +179,25 @@ def _with_ci(r: dict, figure: str) -> str:
     if v is None:
         return "—"
     ci = interval(r, figure)
-    num = f"{v:.3f}" if figure == "recovery" else f"{v:.3g}"
-    return num + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and figure == "recovery" else f" [{ci[0]:.3g}, {ci[1]:.3g}]" if ci else "")
+    if figure == "recovery":
+        return f"{v:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+    return sig(v) + (f" [{sig(ci[0])}, {sig(ci[1])}]" if ci else "")
+
+
+def _fid(r: dict, figure: str) -> str:
+    ci = interval(r, figure)
+    v = sig(r.get(figure), 2) if figure == "kl_mean" else fmt(r.get(figure))
+    return v + (f" [{sig(ci[0], 2)}, {sig(ci[1], 2)}]" if ci and figure == "kl_mean" else f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
 
 
 def _sentence(c: dict, r: dict | None, figure: str, decided_by: str, slo: dict, served: list, unranked: list) -> str:
-    slo_txt = ", ".join(f"{k.replace('_ms', '').replace('_', ' ').upper()} ≤ {v:g} ms" for k, v in slo.items())
+    slo_txt = slo_text(slo)
     unit = FIGURES[figure][1]
     b = c.get("best") or {}
     where = f" at concurrency {b['concurrency']}" if figure == "goodput" and b.get("concurrency") is not None else ""
     where += f" with engine variant `{b['variant']}`" if figure == "goodput" and b.get("variant") and b["variant"] != "default" else ""
     mine = _with_ci(c, figure) + (f" {unit}" if unit else "")
+    band = "within the interval of" if (r is None or interval(c, figure) or interval(r, figure)) else "within 10% (the run-to-run noise) of"
     if figure == "goodput":
         head = f"it passes every gate and serves the most requests within the SLO ({slo_txt}), {mine}{where}"
         tie_head = f"it passes every gate, and its goodput within the SLO ({slo_txt}), {mine}{where},"
@@ -169,14 +221,15 @@ def _sentence(c: dict, r: dict | None, figure: str, decided_by: str, slo: dict, 
     elif decided_by == figure:
         text = f"{head}, against {_with_ci(r, figure)}{' ' + unit if unit else ''} for the runner-up `{r['artifact']}`"
     elif decided_by == "fidelity":
-        if c.get("kl_mean") != r.get("kl_mean"):
-            fid = f"it is closer to the baseline (KL {c['kl_mean']:.2g} against {r['kl_mean']:.2g})" if r.get("kl_mean") is not None else \
-                f"only it has fidelity figures (KL {c['kl_mean']:.2g})"
+        by_kl = next(x for x in separation(c, r, decided_by, figure) if x["decides"])["figure"] == "kl_mean"
+        if by_kl:
+            fid = f"it is closer to the baseline (KL {_fid(c, 'kl_mean')} against {_fid(r, 'kl_mean')})" if r.get("kl_mean") is not None else \
+                f"only it has fidelity figures (KL {_fid(c, 'kl_mean')})"
         else:
-            fid = f"it agrees more often with the baseline's top token ({fmt(c.get('top1_agreement'))} against {fmt(r.get('top1_agreement'))})"
-        text = f"{tie_head} is within the interval of `{r['artifact']}`'s {_with_ci(r, figure)}, so fidelity decides: {fid}"
+            fid = f"it agrees more often with the baseline's top token ({_fid(c, 'top1_agreement')} against {_fid(r, 'top1_agreement')})"
+        text = f"{tie_head} is {band} `{r['artifact']}`'s {_with_ci(r, figure)}, so fidelity decides: {fid}"
     else:
-        text = (f"{tie_head} is within the interval of `{r['artifact']}`'s {_with_ci(r, figure)} and their fidelity is the same, "
+        text = (f"{tie_head} is {band} `{r['artifact']}`'s {_with_ci(r, figure)} and their fidelity is the same, "
                 f"so the smaller one is chosen ({human_bytes(c['size_bytes'])} against {human_bytes(r['size_bytes'])})")
     if unranked:
         names = ", ".join(f"`{x['artifact']}`" for x in unranked)

@@ -36,12 +36,12 @@ def family(kernel: str) -> str:
 
 
 def parse_server_log(text: str) -> dict:
-    linear, seen = [], set()
+    schemes: dict[str, list[str]] = {}  # kernel -> what vLLM said it serves ("CompressedTensorsWNA16", "mixed-precision linear")
     for m in LINEAR.finditer(text):
-        if m.group(1).endswith("Config") or (m.group(1), m.group(2)) in seen:
-            continue
-        seen.add((m.group(1), m.group(2)))
-        linear.append({"kernel": m.group(1), "family": family(m.group(1)), "scheme": m.group(2)})
+        if not m.group(1).endswith("Config") and m.group(2) not in schemes.setdefault(m.group(1), []):
+            schemes[m.group(1)].append(m.group(2))
+    linear = [{"kernel": k, "family": family(k), "scheme": ", ".join([x for x in v if x != "mixed-precision linear"] or v)}
+              for k, v in schemes.items()]
     if FP8_MARLIN.search(text) and not any(x["family"].startswith("FP8 Marlin") for x in linear):
         linear.append({"kernel": "MarlinFP8ScaledMMLinearKernel", "family": "FP8 Marlin (weight-only)", "scheme": "FP8 (no FP8 compute on this GPU)"})
     att = [a or b for a, b in ATTENTION.findall(text)]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from .labels import place_labels
 from .records import _d
+from .summary import pareto
 
 SPEED_SOURCE = {  # plot footers: [served sweep only, offline benchmarks ran]
     "latency_s_batch1": ["batch-1 latency: vllm bench serve, mean end-to-end latency at concurrency 1",
@@ -34,40 +36,69 @@ def make_plots(summary: dict, plot_dir: Path) -> list[dict]:
     rows = summary["rows"]
     plots = []
 
-    def save(fig, name, title, caption):
+    def save(fig, name, title, caption, boxes=None):
         fig.text(0.01, 0.005, _footer(prov, caption.get("footer", "")), fontsize=6.5, color="#555", ha="left", va="bottom", wrap=True)
         path = plot_dir / f"{name}.png"
+        scale, height = 110 / fig.dpi, fig.bbox.height
+        # label boxes in the PNG's pixels (origin top left), so that a test can check that no two overlap
+        label_px = [[round(b[0] * scale, 1), round((height - b[3]) * scale, 1), round(b[2] * scale, 1), round((height - b[1]) * scale, 1)]
+                    for b in boxes or []]
         fig.savefig(path, dpi=110)
         plt.close(fig)
         plots.append({"name": name, "title": title, "caption": caption["text"] + " Obtained on " + _footer(prov, caption.get("footer", "")) + ".",
-                      "path": str(path), "file": f"plots/{name}.png"})
+                      "path": str(path), "file": f"plots/{name}.png", **({"labels": label_px} if boxes is not None else {})})
 
-    for speed, label, lower, key, name in (("latency_s_batch1", "batch-1 latency (s)", True, "pareto_latency", "accuracy_vs_latency"),
-                                            ("throughput_tok_s", "throughput (tokens/s)", False, "pareto_throughput", "accuracy_vs_throughput")):
-        pts = [r for r in rows if r["recovery"] is not None and r[speed] is not None]
-        if not pts:
+    quality = summary.get("quality_axis") or "recovery"
+    for speed, label, lower, name in (("latency_s_batch1", "batch-1 latency (s)", True, "accuracy_vs_latency"),
+                                      ("throughput_tok_s", "throughput (tokens/s)", False, "accuracy_vs_throughput")):
+        pts = [r for r in rows if r[speed] is not None and (r[quality] is not None or (quality == "kl_mean" and r["baseline"]))]
+        if not [r for r in pts if r[quality] is not None]:
             continue
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         fig.subplots_adjust(bottom=0.2)
+        front = pareto(pts, speed, lower, quality)
+        labels = []
         for r in pts:
+            if quality == "kl_mean" and r["baseline"]:  # KL of the baseline is 0 by definition: a line at its speed, not a point
+                ax.axvline(r[speed], color="#777", ls=":", lw=1.2, zorder=1)
+                continue
             colour = "#777" if r["baseline"] else ("#2a7" if r["gate"] == "PASS" else "#c33")
             marker = "s" if r["baseline"] else ("o" if r["gate"] == "PASS" else "X")
-            ax.scatter(r[speed], r["recovery"], s=90 if r[key] else 50, c=colour, marker=marker, edgecolors="k" if r[key] else "none", zorder=3)
-            ax.annotate(r["artifact"], (r[speed], r["recovery"]), textcoords="offset points", xytext=(6, 4), fontsize=8)
-        front = sorted((r for r in pts if r[key]), key=lambda r: r[speed])
-        if len(front) > 1:
-            ax.plot([r[speed] for r in front], [r["recovery"] for r in front], "--", color="#246", lw=1.2, zorder=2, label="Pareto front")
-        elif front:
+            on = r["artifact"] in front
+            ci = r.get("recovery_ci") if quality == "recovery" else None
+            if ci:
+                ax.errorbar([r[speed]], [r[quality]], yerr=[[r[quality] - ci[0]], [ci[1] - r[quality]]], fmt="none", ecolor=colour,
+                            elinewidth=1, capsize=3, alpha=0.7, zorder=2)
+            ax.scatter(r[speed], r[quality], s=90 if on else 50, c=colour, marker=marker, edgecolors="k" if on else "none", zorder=3)
+            labels.append((r[speed], r[quality], r["artifact"]))
+        line = sorted((r for r in pts if r["artifact"] in front and r[quality] is not None), key=lambda r: r[speed])
+        if len(line) > 1:
+            ax.plot([r[speed] for r in line], [r[quality] for r in line], "--", color="#246", lw=1.2, zorder=2, label="Pareto front")
+        elif line:
             ax.scatter([], [], edgecolors="k", c="w", label="Pareto front (outlined)")
+        if quality == "kl_mean":
+            ax.set_yscale("log")
+            ax.set_ylabel("KL vs baseline (log) — lower is better")
+            base = next((r for r in pts if r["baseline"]), None)
+            if base is not None:
+                ax.plot([], [], ":", color="#777", label="baseline (KL 0)")
+        else:
+            ax.set_ylabel("accuracy recovery, worst task (95% CI)")
         ax.set_xlabel(label + (" — lower is better" if lower else " — higher is better"))
-        ax.set_ylabel("accuracy recovery (worst task, vs baseline)")
+        ax.margins(x=0.12, y=0.15)
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-        ax.set_title(f"Accuracy recovery vs {label.split(' (')[0]}")
-        save(fig, name, f"Accuracy recovery vs {label.split(' (')[0]}",
-             {"text": f"Each point is an artifact (square: the unquantized baseline; green: passes every gate; red cross: fails a gate); "
-                      f"outlined points are on the Pareto front of recovery against {label.split(' (')[0]}.",
-              "footer": SPEED_SOURCE[speed][any(r.get("speed_source") == "offline" for r in pts)]})
+        ax.legend(loc="best", fontsize=8)
+        what = "KL vs baseline" if quality == "kl_mean" else "Accuracy recovery"
+        title = f"{what} vs {label.split(' (')[0]}"
+        ax.set_title(title)
+        boxes = place_labels(ax, labels)
+        tie = (" The artifacts' accuracy recoveries tie within their 95% CIs, so the quality axis is KL divergence from the baseline "
+               "(log; the dotted line is the baseline's speed, its KL being 0).") if quality == "kl_mean" else \
+            " Bars: the worst task's 95% CI (paired bootstrap)."
+        save(fig, name, title,
+             {"text": f"Each point is an artifact (square: the unquantized baseline; green: passes every gate; red cross: fails one); "
+                      f"outlined points are on the Pareto front of {what.lower()} against {label.split(' (')[0]}; points that coincide share a label.{tie}",
+              "footer": SPEED_SOURCE[speed][any(r.get("speed_source") == "offline" for r in pts)]}, boxes)
 
     served = [r for r in rows if r["serve"]]
     if served:

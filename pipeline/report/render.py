@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from ..common.fmt import fmt, human_bytes, md_cell
+from .decide import sig
 from .plots import make_plots
 from .records import TEMPLATES
 from .summary import summarize
@@ -22,6 +23,7 @@ def _env(autoescape: bool):
     env.filters["fmt"] = fmt
     env.filters["bytes"] = human_bytes
     env.filters["md"] = md_cell
+    env.filters["sig"] = sig
     # `name` in a sentence -> <code>name</code>, after escaping everything else
     env.filters["code"] = lambda v: markupsafe.Markup(re.sub(r"`([^`]+)`", r"<code>\1</code>", str(markupsafe.escape(v))))
     return env

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .decide import recommend
+from .decide import recommend, ties
 from .kernels import serving_info
 from .records import (
     _d,
@@ -66,6 +66,7 @@ def summarize(record: dict) -> dict:
             "worst_task": f"{worst['task']}/{worst['metric']}" if worst and not is_base else None,
             "validation": val, "validation_recovery": 1.0 if is_base and val else val_rec,
             "kl_mean": _num(fid.get("kl_mean")), "top1_agreement": _num(fid.get("top1_agreement")), "ppl": _num(fid.get("ppl")),
+            "kl_ci": _pair(fid.get("kl_mean_ci95")), "top1_ci": _pair(fid.get("top1_agreement_ci95")),
             "gate": "—" if is_base else art.get("gate", "NOT RUN"), "gate_failures": _l(art.get("gate_failures")),
             "latency_s_batch1": lat,
             "throughput_tok_s": _num(offline.get("throughput_tok_s")) if _num(offline.get("throughput_tok_s")) is not None else (max(out_tps) if out_tps else None),
@@ -80,6 +81,7 @@ def summarize(record: dict) -> dict:
             "best": best or None,
             "best_point": _best_point(bench, best),
             "serving": serving_info(_d(_d(record.get("stages")).get(f"benchmark:{name}")), variant),
+            "server_start_s": _num(bench.get("server_start_s")),
             "benchmarked": bool(bench), "servable": bench.get("servable") if bench else None,
             "bench_note": bench.get("reason") or bench.get("status_note") if bench else None,
             "stages": stage_status,
@@ -87,8 +89,11 @@ def summarize(record: dict) -> dict:
             "package": art.get("package"),
         }
         rows.append(row)
-    mark_pareto(rows, "latency_s_batch1", lower_is_better=True, key="pareto_latency")
-    mark_pareto(rows, "throughput_tok_s", lower_is_better=False, key="pareto_throughput")
+    quality = quality_axis(rows)
+    for speed, lower, key in (("latency_s_batch1", True, "pareto_latency"), ("throughput_tok_s", False, "pareto_throughput")):
+        front = pareto([r for r in rows if not (quality == "kl_mean" and r["baseline"])], speed, lower, quality)
+        for r in rows:
+            r[key] = r["artifact"] in front
     concurrencies = sorted({int(c) for r in rows for c in r["serve"] if c not in ("None",)})
     return {
         "run_id": record.get("run_id"), "recipe_name": record.get("recipe_name"), "recipe_hash": record.get("recipe_hash"),
@@ -98,6 +103,7 @@ def summarize(record: dict) -> dict:
         "tasks": list(dict.fromkeys((a["task"], a["metric"]) for r in rows for a in r["accuracy"])),
         "rows": rows,
         "recommendation": recommend(rows, slo),
+        "quality_axis": quality,
         "gates": _d(_d(recipe.get("evaluation")).get("gates")),
         "stages": [{"id": k, "status": v.get("status"), "cache": v.get("cache"), "wall_s": v.get("wall_s"),
                     "note": _first_line(v.get("error") or v.get("reason") or _d(v.get("metrics")).get("status_note")),
@@ -151,7 +157,12 @@ def _best_point(bench: dict, best: dict) -> dict | None:
         return None
     return {"variant": _s(r.get("variant")), "workload": _s(r.get("workload")), "concurrency": _int(r.get("concurrency")),
             "ttft_p99_ms": _pct(r.get("ttft_ms"), "p99"), "tpot_p99_ms": _pct(r.get("tpot_ms"), "p99"),
+            "ttft_p99_ci": _pair(_d(r.get("ttft_ms")).get("p99_ci95")), "tpot_p99_ci": _pair(_d(r.get("tpot_ms")).get("p99_ci95")),
             "output_throughput": _num(r.get("output_throughput"))}
+
+
+def _pair(ci) -> list[float] | None:
+    return [float(ci[0]), float(ci[1])] if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(x) is not None for x in ci) else None
 
 
 def _first_line(text, limit: int = 200) -> str | None:
@@ -162,17 +173,23 @@ def _first_line(text, limit: int = 200) -> str | None:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def mark_pareto(rows: list[dict], speed: str, lower_is_better: bool, key: str) -> None:
-    """Mark rows on the accuracy-recovery vs `speed` Pareto front (no other row is at least as good on both, better on one)."""
-    pts = [(r, r["recovery"], r[speed]) for r in rows if r["recovery"] is not None and r[speed] is not None]
-    for r in rows:
-        r[key] = False
-    for r, acc, sp in pts:
-        def better(o_acc, o_sp):
-            faster = o_sp <= sp if lower_is_better else o_sp >= sp
-            strictly = (o_sp < sp if lower_is_better else o_sp > sp) or o_acc > acc
-            return o_acc >= acc and faster and strictly
-        r[key] = not any(better(oa, os_) for o, oa, os_ in pts if o is not r)
+def quality_axis(rows: list[dict]) -> str:
+    """"recovery", or "kl_mean" when every artifact's recovery ties with every other's within their CIs (the task scores
+    cannot separate them) and at least two artifacts have a KL figure to separate them by."""
+    arts = [r for r in rows if not r["baseline"] and r["recovery"] is not None]
+    kls = [r for r in rows if not r["baseline"] and r["kl_mean"] is not None and r["kl_mean"] > 0]
+    if len(arts) >= 2 and len(kls) >= 2 and all(ties(a, b, "recovery") for a in arts for b in arts):
+        return "kl_mean"
+    return "recovery"
+
+
+def pareto(rows: list[dict], speed: str, lower_speed: bool, quality: str) -> set[str]:
+    """Names on the front of `quality` (recovery: higher is better; kl_mean: lower) against `speed`."""
+    sign_q = -1 if quality == "kl_mean" else 1
+    sign_s = -1 if lower_speed else 1
+    pts = [(r["artifact"], sign_q * r[quality], sign_s * r[speed]) for r in rows if r[quality] is not None and r[speed] is not None]
+    return {n for n, q, sp in pts if not any(oq >= q and os_ >= sp and (oq > q or os_ > sp) for m, oq, os_ in pts if m != n)}
+
 
 
 def variant_table(record: dict) -> list[dict]:
