@@ -31,10 +31,30 @@ class BadInput(click.ClickException):
     exit_code = EXIT_USAGE
 
 
-def _console():
+def _console(quiet: bool = False):
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True)
+    return Console(stderr=True, highlight=False, soft_wrap=True, force_terminal=False if quiet else None)  # --quiet: no control codes
+
+
+def _after_run(console, runner, plain: bool) -> None:
+    """The run's decision on the console: the artifacts table, the recommendation, where the report is."""
+    from .console import final_summary
+
+    run_dir = runner.run_dir
+    if run_dir is None:
+        return
+    try:
+        summary = json.loads((run_dir / "report.json").read_text())
+    except (OSError, ValueError):  # the report failed (the run says so): summarize the record itself
+        from .report import summarize
+
+        try:
+            summary = summarize(json.loads((run_dir / "run.json").read_text()))
+        except (OSError, ValueError):
+            return
+    report = run_dir / "report.html"
+    final_summary(console, summary, report if report.is_file() else None, plain=plain)
 
 
 def _load(path: str):
@@ -127,8 +147,9 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
               help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting).")
 @click.option("--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them).")
+@click.option("-q", "--quiet", is_flag=True, help="No live status lines and no colour: plain lines, as for a CI log (also when not on a terminal).")
 @click.pass_context
-def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select):
+def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select, quiet):
     """Run RECIPE's stages, reusing every cached one."""
     from .envs import EnvError
     from .run.runner import KINDS, RunError, Runner
@@ -145,7 +166,7 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, job
     bad = {f for f in forced if f != "all" and (f.split(":")[0] not in KINDS or (":" in f and f.split(":", 1)[1] not in targets))}
     if bad:
         raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
-    console = _console()
+    console = _console(quiet)
     try:
         runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"],
                         stage_timeout_s=stage_timeout * 60 if stage_timeout else None, jobs=jobs, gpu_select=gpu_select)
@@ -168,7 +189,15 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, job
             for p in runner.preflight_problems:
                 console.print(f"[yellow]pre-flight: would refuse:[/yellow] {p}")
             return
-        code = runner.run(forced, kinds, _csv(artifacts), wait=wait)
+        from contextlib import nullcontext
+
+        from .console import LiveStatus
+
+        live = LiveStatus(console) if console.is_terminal and not quiet and not ctx.obj["verbose"] else None
+        runner.procs.watch = live
+        with live or nullcontext():
+            code = runner.run(forced, kinds, _csv(artifacts), wait=wait)
+        _after_run(console, runner, plain=quiet or not console.is_terminal)
     except RunError as e:
         raise BadInput(str(e)) from None
     except EnvError as e:

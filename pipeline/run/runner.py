@@ -349,8 +349,7 @@ class Runner:
         try:
             from ..report import write_report
 
-            record["report"] = [str(p) for p in write_report(record, run_dir, self.out_dir)]
-            self.say(f"report: {run_dir / 'report.html'}")
+            record["report"] = [str(p) for p in write_report(record, run_dir, self.out_dir)]  # the CLI's summary names it
         except Exception as e:  # a report bug must not hide the run's results
             log.exception("report failed")
             record["report_error"] = f"{type(e).__name__}: {e}"
