@@ -7,6 +7,7 @@
     quantpipe verify out/demo/packages/awq
     quantpipe compare RUN_A RUN_B
     quantpipe doctor                        # platform, GPUs, environments, which schemes vLLM serves here
+    quantpipe history out/demo              # history.html: every artifact's figures across runs
 
 Exit codes: 0 ok; 1 a stage or the run failed; 2 bad input (recipe, arguments); 3 a release gate
 or a comparison found a regression.
@@ -37,8 +38,31 @@ def _console(quiet: bool = False):
     return Console(stderr=True, highlight=False, soft_wrap=True, force_terminal=False if quiet else None)  # --quiet: no control codes
 
 
-def _after_run(console, runner, plain: bool) -> None:
-    """The run's decision on the console: the artifacts table, the recommendation, where the report is."""
+def _tracking(recipe, uri: str | None) -> tuple[str, str | None] | None:
+    """(MLflow URI, experiment) from --mlflow or the recipe's tracking.mlflow, checked like the recipe; None without either."""
+    cfg = recipe.tracking.mlflow
+    if uri is None:
+        return (cfg.uri, cfg.experiment) if cfg else None
+    _check_uri("--mlflow", uri)
+    return uri, cfg.experiment if cfg else None
+
+
+def _check_uri(option: str, uri: str) -> None:
+    """An MLflow URI as the recipe's tracking.mlflow.uri is checked (no credentials in it); bad input exits 2."""
+    from pydantic import ValidationError
+
+    from .recipe.schema import MlflowTracking
+
+    try:
+        MlflowTracking(uri=uri)
+    except ValidationError as e:
+        raise BadInput(f"{option}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+
+
+def _after_run(console, runner, tracking, refresh_history: bool, plain: bool) -> None:
+    """The run's decision on the console, then MLflow and the history where asked for; neither can fail the run."""
+    from rich.markup import escape
+
     from .console import final_summary
 
     run_dir = runner.run_dir
@@ -55,6 +79,24 @@ def _after_run(console, runner, plain: bool) -> None:
             return
     report = run_dir / "report.html"
     final_summary(console, summary, report if report.is_file() else None, plain=plain)
+    if tracking:
+        from .tracking import MlflowUnavailable, log_run
+
+        uri, experiment = tracking
+        try:
+            done = log_run(run_dir, uri, experiment)
+            console.print(f"MLflow: logged run {escape(run_dir.name)} to {escape(uri)} (experiment {escape(done['experiment'])}, "
+                          f"{len(done['models'])} model version(s))", highlight=False)
+        except MlflowUnavailable as e:
+            console.print(f"[yellow]MLflow: not logged: {escape(str(e))}; the run's files are its record, and "
+                          f"`quantpipe history {escape(str(runner.out_dir))} --push-mlflow {escape(uri)}` logs it later[/yellow]", highlight=False)
+    if refresh_history:
+        from .history import HistoryError, write_history
+
+        try:
+            console.print(f"history: {escape(str(write_history(runner.out_dir)[1]))}", highlight=False)
+        except HistoryError as e:
+            console.print(f"[yellow]history: {escape(str(e))}[/yellow]", highlight=False)
 
 
 def _load(path: str):
@@ -148,8 +190,11 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
               help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting).")
 @click.option("--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them).")
 @click.option("-q", "--quiet", is_flag=True, help="No live status lines and no colour: plain lines, as for a CI log (also when not on a terminal).")
+@click.option("--mlflow", "mlflow_uri", default=None, metavar="URI", help="Log the run to this MLflow tracking server and register its packages "
+              "(overrides the recipe's tracking.mlflow.uri); a server that is down does not fail the run.")
+@click.option("--history", "refresh_history", is_flag=True, help="Refresh <output_dir>/history.html after the run (as `quantpipe history`).")
 @click.pass_context
-def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select, quiet):
+def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select, quiet, mlflow_uri, refresh_history):
     """Run RECIPE's stages, reusing every cached one."""
     from .envs import EnvError
     from .run.runner import KINDS, RunError, Runner
@@ -158,6 +203,7 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, job
     platform = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
     if platform and platform not in ("cpu", "cuda"):
         raise BadInput(f"QUANTPIPE_PLATFORM={platform} is not a platform: use cpu or cuda (or unset it to detect)")
+    tracking = _tracking(r, mlflow_uri)
     kinds = _csv(stages)
     if kinds and not kinds <= set(KINDS):
         raise BadInput(f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}")
@@ -197,7 +243,7 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, job
         runner.procs.watch = live
         with live or nullcontext():
             code = runner.run(forced, kinds, _csv(artifacts), wait=wait)
-        _after_run(console, runner, plain=quiet or not console.is_terminal)
+        _after_run(console, runner, tracking, refresh_history, plain=quiet or not console.is_terminal)
     except RunError as e:
         raise BadInput(str(e)) from None
     except EnvError as e:
@@ -206,6 +252,33 @@ def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, job
         click.echo("interrupted: running stages were stopped; committed stages stay cached", err=True)
         sys.exit(130)
     sys.exit(code)
+
+
+@main.command()
+@click.argument("output_dir", type=click.Path(file_okay=False))
+@click.option("--last", type=click.IntRange(min=1), default=None, metavar="N", help="Show only the last N runs.")
+@click.option("--push-mlflow", "push_uri", default=None, metavar="URI", help="Also log to this MLflow server every run it has not received yet.")
+@click.option("--experiment", default=None, help="MLflow experiment for --push-mlflow (default: the recipe's tracking.mlflow.experiment, else its name).")
+def history(output_dir, last, push_uri, experiment):
+    """Write OUTPUT_DIR/history.html and history.json: each artifact's figures across runs, regressions flagged."""
+    from .history import HistoryError, write_history
+
+    if push_uri:
+        _check_uri("--push-mlflow", push_uri)
+    try:
+        paths = write_history(Path(output_dir), last)
+    except HistoryError as e:
+        raise BadInput(str(e)) from None
+    n = len(json.loads(paths[0].read_text())["runs"])
+    click.echo(f"history: {paths[1]} ({n} run(s)); data: {paths[0]}")
+    if push_uri:
+        from .tracking import MlflowUnavailable, push_missing
+
+        try:
+            pushed, there = push_missing(Path(output_dir), push_uri, experiment)
+        except MlflowUnavailable as e:
+            raise click.ClickException(f"{e}; nothing was lost: the runs not logged yet are pushed by the next --push-mlflow") from None
+        click.echo(f"MLflow {push_uri}: logged {len(pushed)} run(s){': ' + ', '.join(pushed) if pushed else ''}; {len(there)} were there already")
 
 
 @main.command()

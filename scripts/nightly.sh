@@ -5,14 +5,18 @@
 #   crontab:  30 2 * * *  /path/to/quantpipe/scripts/nightly.sh /path/to/recipes/*.yaml >> /var/log/quantpipe-nightly.log 2>&1
 #
 # Each run writes its report (report.html/.md/.json) into <output_dir>/runs/<run_id>/; this script adds
-# compare.txt and compare.json there (the comparison with the last good run) and prints a summary.
+# compare.txt and compare.json there (the comparison with the last good run), refreshes
+# <output_dir>/history.html and history.json (`quantpipe history`: every artifact's figures across the nights,
+# regressions flagged) and prints a summary.
 # Exit status: 0 when every run completed, passed its gates and showed no regression; 3 when a gate failed or a
 # comparison found a regression; 1 when a run failed; 2 for bad usage. A first run (no last good run yet) is not
 # a failure. Runs queue behind one another (--wait) if cron starts a night while the last one still runs.
 #
 # Environment: QUANTPIPE (the command, default: this checkout's .venv/quantize/bin/quantpipe, else `quantpipe`
 # on PATH), QUANTPIPE_NIGHTLY_ARGS (extra `quantpipe run` arguments, e.g. "--force benchmark" or
-# "--stage-timeout 120" so that a hung stage cannot hold the night).
+# "--stage-timeout 120" so that a hung stage cannot hold the night), QUANTPIPE_MLFLOW (a tracking server URI: each
+# run is logged there, and afterwards every night a server that was down has missed is pushed; without it a
+# recipe's own `tracking.mlflow` still applies to its run).
 set -u -o pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,6 +35,8 @@ else
   exit 2
 fi
 read -r -a extra <<<"${QUANTPIPE_NIGHTLY_ARGS:-}"
+mlflow="${QUANTPIPE_MLFLOW:-}"
+if [[ -n "$mlflow" ]]; then extra+=(--mlflow "$mlflow"); fi
 # A Python for reading JSON: the one beside the quantpipe command, else the system's.
 py="$(dirname "$(command -v "${qp[0]}" || echo /nonexistent)")/python"
 [[ -x "$py" ]] || py=python3
@@ -103,7 +109,15 @@ PY
     2) cmp="not compared: $(tail -n 1 "$run_dir/compare.txt")" ;;
     *) cmp="compare failed (exit $crc)"; worst 1 ;;
   esac
-  summary+=("$recipe: run $verdict; $cmp; report $run_dir/report.html")
+  if "${qp[@]}" history "$out_dir" >"$run_dir/history.txt" 2>&1; then
+    hist="history $out_dir/history.html"
+  else
+    hist="history not written: $(tail -n 1 "$run_dir/history.txt")"
+  fi
+  if [[ -n "$mlflow" ]] && ! "${qp[@]}" history "$out_dir" --push-mlflow "$mlflow" >>"$run_dir/history.txt" 2>&1; then
+    hist="$hist; MLflow push failed: $(tail -n 1 "$run_dir/history.txt") (the next night pushes it)"
+  fi
+  summary+=("$recipe: run $verdict; $cmp; report $run_dir/report.html; $hist")
 done
 
 echo "=== nightly summary"
