@@ -253,6 +253,28 @@ class Package(Strict):
     license: str | None = Field(None, description="Default: carried from the base model's card.")
 
 
+# --- tracking ---------------------------------------------------------------------------------
+
+
+class MlflowTracking(Strict):
+    uri: str = Field(min_length=1, description="Tracking server, e.g. http://mlflow.internal:5000 (credentials go in MLFLOW_TRACKING_TOKEN or "
+                                                "MLFLOW_TRACKING_USERNAME/PASSWORD, never in the URI). `run --mlflow URI` overrides it.")
+    experiment: str | None = Field(None, min_length=1, description="Experiment to log runs to (default: the recipe's name).")
+
+    @field_validator("uri")
+    @classmethod
+    def _no_credentials(cls, v: str) -> str:
+        if re.match(r"^[a-z][a-z0-9+.-]*://[^/@]+@", v, re.I):
+            raise ValueError("the MLflow URI carries credentials, which would be written to run.json; put them in "
+                             "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD instead")
+        return v
+
+
+class Tracking(Strict):
+    mlflow: MlflowTracking | None = Field(None, description="Log each run to MLflow and register its packages as model versions; "
+                                                            "the run's own files stay the record, and a run still succeeds when the server is down.")
+
+
 # --- the recipe -------------------------------------------------------------------------------
 
 
@@ -268,6 +290,7 @@ class Recipe(Strict):
     evaluation: Evaluation = Evaluation()
     benchmark: Benchmark = Benchmark()
     package: Package = Package()
+    tracking: Tracking = Tracking()
 
     @field_validator("name")
     @classmethod
