@@ -644,6 +644,8 @@ def test_recommendation_goodput_beyond_the_noise_beats_fidelity():
     rec = s["recommendation"]
     assert (rec["choice"], rec["runner_up"], rec["tie"], rec["decided_by"]) == ("w8a8", "fp8", False, "goodput")
     assert "against 2.54 req/s for the runner-up `fp8`" in rec["sentence"]
+    # the figure is vLLM's goodput at the best measured concurrency, and the sentence says so
+    assert "at concurrency 16 (the best of the measured concurrencies: no goodput search ran), against" in rec["sentence"]
 
 
 def test_recommendation_uses_the_benchmarks_intervals_when_it_records_them():
