@@ -91,6 +91,8 @@ def build(out_dir: Path, last: int | None = None) -> dict:
                 "goodput": r["goodput"], "goodput_ci": r.get("goodput_ci"), "ttft_p99_ms": bp.get("ttft_p99_ms"), "ttft_p99_ci": bp.get("ttft_p99_ci"),
                 "tpot_p99_ms": bp.get("tpot_p99_ms"), "tpot_p99_ci": bp.get("tpot_p99_ci"), "size_bytes": r["size_bytes"],
                 "findings": found, "flags": sorted({k for k, rx in FLAGS.items() for f in found if rx.search(f)})})
+    for run, label in zip(result["runs"], _labels(result["runs"])):
+        run["label"] = label
     return result
 
 
@@ -114,9 +116,15 @@ def write_history(out_dir: Path, last: int | None = None) -> list[Path]:
     return paths
 
 
-def _label(run: dict) -> str:
+def _label(run: dict, seconds: bool = False) -> str:
+    """A run's axis label: its start, "12-02 01:43" (with seconds where two runs start in the same minute)."""
     t = str(run.get("started_at") or run.get("run_id") or "?")
-    return t[5:16].replace("T", " ") if len(t) >= 16 else t
+    return t[5:19 if seconds else 16].replace("T", " ") if len(t) >= 19 else t
+
+
+def _labels(runs: list[dict]) -> list[str]:
+    short = [_label(r) for r in runs]
+    return short if len(set(short)) == len(short) else [_label(r, seconds=True) for r in runs]
 
 
 def trend_plots(data: dict) -> list[dict]:
@@ -164,7 +172,7 @@ def trend_plots(data: dict) -> list[dict]:
                     ring.set_urls([p["report"] for _, _, p in flagged])
             if log:
                 ax.set_yscale("log")
-            ax.set_xticks(range(len(runs)), [_label(r) for r in runs], rotation=35, ha="right", fontsize=7)
+            ax.set_xticks(range(len(runs)), [r["label"] for r in runs], rotation=35, ha="right", fontsize=7)
             ax.set_xlim(-0.5, len(runs) - 0.5)
             ax.set_title(title + (" — lower is better" if lower else " — higher is better"), fontsize=9.5)
             ax.set_ylabel(unit or key.replace("_", " "), fontsize=8)
@@ -190,7 +198,6 @@ def _render(data: dict, plots: list[dict]) -> str:
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["fmt"] = fmt
     env.filters["bytes"] = human_bytes
-    env.filters["label"] = _label
     return env.get_template("history.html.j2").render(h=data, plots=[{**p, "svg": markupsafe.Markup(p["svg"])} for p in plots],
                                                       gate=lambda a, run_id: next((p for p in _d(data["artifacts"].get(a)).get("points", [])
                                                                                   if p["run_id"] == run_id), None))

@@ -137,3 +137,13 @@ def test_history_over_three_real_runs_of_a_tiny_recipe(tiny, tmp_path, tmp_path_
     assert [x["run_id"] for x in h["regressions"]] == [runs[2]["run_id"]]
     assert all(p["report"] == f"runs/{x['run_id']}/report.html" for p, x in zip(pts, runs))
     assert {p["kl_mean"] is not None and p["size_bytes"] > 0 for p in pts} == {True}
+
+
+def test_runs_started_in_the_same_minute_are_told_apart_by_their_seconds(tmp_path):
+    for run_id, start in (("a", "2026-12-02T01:43:05Z"), ("b", "2026-12-02T01:43:18Z"), ("c", "2026-12-03T02:30:00Z")):
+        rec = make_record(run_id, start)
+        write_report(rec, save_run(tmp_path, rec), tmp_path)
+    h = json.loads(write_history(tmp_path)[0].read_text())
+    assert [r["label"] for r in h["runs"]] == ["12-02 01:43:05", "12-02 01:43:18", "12-03 02:30:00"]
+    h = json.loads(write_history(tmp_path, last=2)[0].read_text())
+    assert [r["label"] for r in h["runs"]] == ["12-02 01:43", "12-03 02:30"]
