@@ -421,8 +421,9 @@ def test_ray_on_one_node_takes_at_most_a_tenth_more_wall_time_than_the_local_exe
     host is shared, so the stages' own speed varies between the two runs: what is held to a tenth of the local run's
     wall time is what each executor adds to its stages (the run's wall time less the stages' own, which run one after
     another in both). Both wall times are printed and kept in overhead.json. QUANTPIPE_RAY_OVERHEAD_ARGS narrows the
-    recipe (default: merge, quantize int8, evaluate the baseline and int8: no vLLM server); "" runs the whole demo."""
-    args = os.environ.get("QUANTPIPE_RAY_OVERHEAD_ARGS", "--artifacts int8 --stages quantize,evaluate").split()
+    recipe (default: merge and quantize int8, a few minutes; "--artifacts int8 --stages quantize,evaluate" adds the
+    baseline's and int8's evaluations); "" runs the whole demo."""
+    args = os.environ.get("QUANTPIPE_RAY_OVERHEAD_ARGS", "--artifacts int8 --stages quantize").split()
     text = (REPO / "recipes" / "demo.yaml").read_text().replace("../.tiny/", f"{tiny.root}/")
     walls, stages = {}, {}
     # Ray runs its tasks at nice 15 (RAY_worker_niceness); other work on this shared host would then take the Ray run's
