@@ -252,6 +252,21 @@ def built(rec: dict) -> dict[str, dict]:
 
 
 @pytest.mark.slow
+def test_two_recipes_with_the_local_executor_share_the_merge_and_get_one_index(tiny, tmp_path):
+    a = write_recipe(tmp_path / "ra.yaml", tiny, tmp_path / "out" / "ra", {"name": "fp8", "method": "fp8"})
+    b = write_recipe(tmp_path / "rb.yaml", tiny, tmp_path / "out" / "rb", {"name": "rtn", "method": "rtn"})
+    r = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(a), str(b), "--cache", str(tmp_path / "cache")],
+                       capture_output=True, text=True, timeout=1200, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    ra, rb = record(tmp_path / "out" / "ra"), record(tmp_path / "out" / "rb")
+    assert (ra["stages"]["merge"]["cache"], rb["stages"]["merge"]["cache"]) == ("miss", "hit")
+    index = json.loads((tmp_path / "out" / "matrix.json").read_text())
+    assert [(e["name"], e["status"], e["reused"]) for e in index["recipes"]] == [("ra", "ok", {}), ("rb", "ok", {"merge": "ra"})]
+    assert index["executor"] == "local" and (tmp_path / "out" / "matrix.html").is_file()
+    verify(tmp_path / "out" / "rb" / "packages" / "rtn")
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_two_recipe_matrix_on_two_nodes_builds_every_entry_once(tiny, tmp_path, cluster):
     a = write_recipe(tmp_path / "ra.yaml", tiny, tmp_path / "out" / "ra", {"name": "fp8", "method": "fp8"})
