@@ -178,7 +178,7 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 
 
 @main.command()
-@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("recipes", metavar="RECIPE [RECIPE ...]", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--dry-run", is_flag=True, help="Print the plan (stages, cache hit/miss, environment) and write nothing.")
 @click.option("--force", "force", default=None, help="Rebuild these stages even if cached. " + STAGE_HELP)
 @click.option("--stages", default=None, help="Run only these stage kinds (and what they need). " + STAGE_HELP)
@@ -189,52 +189,87 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
               help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting).")
 @click.option("--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them).")
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where stages run: on this host, or as Ray tasks on a Ray cluster's nodes (docs/cluster.md).")
+@click.option("--address", default=None, metavar="auto|HOST:PORT",
+              help="With --executor ray: the cluster's head (default auto: $RAY_ADDRESS, else the cluster `ray start` began on this host).")
+@click.option("--cache", "cache_dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
+              help="The stage cache of every recipe (over cache_dir and $QUANTPIPE_CACHE); with Ray, storage every node mounts at this path.")
+@click.option("--matrix-dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
+              help="Where several recipes' index goes (matrix.json, matrix.html); default: their output directories' common parent.")
 @click.option("-q", "--quiet", is_flag=True, help="No live status lines and no colour: plain lines, as for a CI log (also when not on a terminal).")
 @click.option("--mlflow", "mlflow_uri", default=None, metavar="URI", help="Log the run to this MLflow tracking server and register its packages "
               "(overrides the recipe's tracking.mlflow.uri); a server that is down does not fail the run.")
 @click.option("--history", "refresh_history", is_flag=True, help="Refresh <output_dir>/history.html after the run (as `quantpipe history`).")
 @click.pass_context
-def run(ctx, recipe, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select, quiet, mlflow_uri, refresh_history):
-    """Run RECIPE's stages, reusing every cached one."""
+def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select, executor, address, cache_dir, matrix_dir, quiet,
+        mlflow_uri, refresh_history):
+    """Run each RECIPE's stages, reusing every cached one. Several recipes share the stage cache (an entry they have in
+    common is built once), each gets its report, and the matrix one index (matrix.html)."""
     from .envs import EnvError
     from .run.runner import KINDS, RunError, Runner
 
-    r = _load(recipe)
     platform = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
     if platform and platform not in ("cpu", "cuda"):
         raise BadInput(f"QUANTPIPE_PLATFORM={platform} is not a platform: use cpu or cuda (or unset it to detect)")
-    tracking = _tracking(r, mlflow_uri)
+    if address is not None and executor != "ray":
+        raise BadInput("--address names a Ray cluster: add --executor ray, or drop --address")
+    if gpu_select and executor == "ray":
+        raise BadInput("--gpus picks this host's GPUs; with --executor ray, Ray places each stage on a node's GPUs: drop --gpus")
+    loaded = []
+    for recipe in recipes:
+        r = _load(recipe)
+        if cache_dir:
+            from .places import problems as place_problems
+
+            r = r.model_copy(update={"cache_dir": str(Path(cache_dir).resolve())})
+            if place_problems(r):
+                raise BadInput(f"--cache: {'; '.join(place_problems(r))}".replace("cache_dir:", "").replace("  ", " "))
+        loaded.append((r, recipe))
+    matrix = len(loaded) > 1 or executor == "ray" or matrix_dir
+    if matrix and (mlflow_uri or refresh_history):
+        raise BadInput("--mlflow and --history log one recipe's run on this host: run each recipe on its own for them, or drop them")
+    tracking = None if matrix else _tracking(loaded[0][0], mlflow_uri)
     kinds = _csv(stages)
     if kinds and not kinds <= set(KINDS):
         raise BadInput(f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}")
     forced = _csv(force) or set()
-    targets = {a.name for a in r.artifacts} | {"baseline"}
+    targets = {a.name for rr, _ in loaded for a in rr.artifacts} | {"baseline"}
     bad = {f for f in forced if f != "all" and (f.split(":")[0] not in KINDS or (":" in f and f.split(":", 1)[1] not in targets))}
     if bad:
         raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
     console = _console(quiet)
+    timeout_s = stage_timeout * 60 if stage_timeout else None
     try:
-        runner = Runner(r, Path(recipe), console=console, verbose=ctx.obj["verbose"],
-                        stage_timeout_s=stage_timeout * 60 if stage_timeout else None, jobs=jobs, gpu_select=gpu_select)
+        runners = [Runner(rr, Path(p), console=console, verbose=ctx.obj["verbose"], stage_timeout_s=timeout_s, jobs=jobs, gpu_select=gpu_select)
+                   for rr, p in (loaded if dry_run else loaded[:1])]
     except ValueError as e:  # --gpus naming a GPU this host does not have
         raise BadInput(str(e)) from None
+    runner = runners[0]
     try:
         if dry_run:
             from rich.table import Table
 
-            rows = runner.dry_run(forced, kinds, _csv(artifacts))
-            gpu = any(row["gpu_gib"] is not None for row in rows)
-            t = Table(title=f"plan for {recipe} (nothing written)", caption="RAM, disk" + (", GPU" if gpu else "") + ": pre-flight estimates in GiB")
-            for col in ("stage", "env", "key", "cache", "RAM", *(("GPU",) if gpu else ()), "disk"):
-                t.add_column(col, no_wrap=True)
-            gib = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
-            for row in rows:
-                est = [gib(row["ram_gib"]), *((gib(row["gpu_gib"]),) if gpu else ()), gib(row["disk_gib"])]
-                t.add_row(row["stage"], row["env"], row["key"], row["cache"], *est)
-            console.print(t)
-            for p in runner.preflight_problems:
-                console.print(f"[yellow]pre-flight: would refuse:[/yellow] {p}")
+            for runner, (_, recipe) in zip(runners, loaded):
+                rows = runner.dry_run(forced, kinds, _csv(artifacts))
+                gpu = any(row["gpu_gib"] is not None for row in rows)
+                t = Table(title=f"plan for {recipe} (nothing written)", caption="RAM, disk" + (", GPU" if gpu else "") + ": pre-flight estimates in GiB")
+                for col in ("stage", "env", "key", "cache", "RAM", *(("GPU",) if gpu else ()), "disk"):
+                    t.add_column(col, no_wrap=True)
+                gib = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
+                for row in rows:
+                    est = [gib(row["ram_gib"]), *((gib(row["gpu_gib"]),) if gpu else ()), gib(row["disk_gib"])]
+                    t.add_row(row["stage"], row["env"], row["key"], row["cache"], *est)
+                console.print(t)
+                for p in runner.preflight_problems:
+                    console.print(f"[yellow]pre-flight: would refuse:[/yellow] {p}")
             return
+        if matrix:  # the matrix, or a recipe's stages as Ray tasks (run/matrix.py)
+            from .run.matrix import run_matrix
+
+            sys.exit(run_matrix(loaded, executor=executor, address=address or "auto", jobs=jobs, console=console, verbose=ctx.obj["verbose"],
+                                stage_timeout_s=timeout_s, force=forced, kinds=kinds, artifacts=_csv(artifacts), wait=wait,
+                                index_dir=Path(matrix_dir) if matrix_dir else None, gpu_select=gpu_select))
         from contextlib import nullcontext
 
         from .console import LiveStatus

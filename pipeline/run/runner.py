@@ -49,7 +49,7 @@ class RunError(Exception):
 
 class Runner:
     def __init__(self, recipe: Recipe, recipe_path: Path, console=None, verbose: bool = False, stage_timeout_s: float | None = None,
-                 jobs: int | None = None, gpu_select: str | None = None):
+                 jobs: int | None = None, gpu_select: str | None = None, executor=None):
         self.recipe = recipe
         self.recipe_path = Path(recipe_path)
         self.console = console
@@ -66,6 +66,7 @@ class Runner:
         self.run_dir: Path | None = None  # the last run's folder (the CLI prints its summary from there)
         self.gpus = gpus(gpu_select)
         self.scheduler = Scheduler(self.gpus, jobs=jobs or default_jobs(len(self.gpus)))
+        self.executor = executor.attach(self) if executor is not None else None  # --executor ray: its procs and scheduler replace these
 
     def say(self, msg: str) -> None:
         if self.console is not None:
@@ -111,7 +112,7 @@ class Runner:
         base_dir, steps = self.plan(dry_run=False, kinds=kinds, artifacts=artifacts)
         todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
         try:
-            self.estimates, have = preflight.check(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)
+            self.estimates, have = (self.executor.preflight if self.executor else preflight.check)(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)
         except preflight.PreflightError as e:
             raise RunError(str(e)) from None
         self.available = preflight.available_gib(have)
@@ -139,6 +140,8 @@ class Runner:
         handler = logging.FileHandler(run_dir / "run.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.addFilter(RedactFilter(self.secret_values))
+        if threading.current_thread() is not threading.main_thread():  # recipes of one call side by side: each run.log keeps its own
+            handler.addFilter(lambda r, me=threading.current_thread().name, tag=f"@{id(self):x}": r.threadName == me or r.threadName.endswith(tag))
         logging.getLogger("quantpipe").addHandler(handler)
         close_dead_runs(self.out_dir, run_dir, self.secret_values)
         recipe_json = self.recipe.model_dump(mode="json")
@@ -214,7 +217,7 @@ class Runner:
                     if grant is None:
                         continue
                     pending.remove(s)
-                    threads[s.id] = threading.Thread(target=work, args=(s, grant), name=s.id, daemon=True)
+                    threads[s.id] = threading.Thread(target=work, args=(s, grant), name=f"{s.id}@{id(self):x}", daemon=True)
                     threads[s.id].start()
                 if not threads and done.empty():
                     if pending:  # nothing runs and nothing can start: a dependency outside the plan, or a bug
@@ -251,19 +254,13 @@ class Runner:
                 self.cache.discard(s.id, s.key)
                 marker, state = None, "rebuilt"
         if marker is None:
-            entry_lock = FileLock(str(self.cache.entry(s.id, s.key)) + ".lock")
-            self.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
-            with entry_lock:  # another run may be building the same entry: wait, then reuse it
-                marker = None if forced else self.cache.lookup(s.id, s.key)
-                if marker is None:
-                    try:
-                        marker = self._build(s, base_dir, run_dir, grant)
-                    except StageFailed as e:
-                        failed[s.id] = str(e)
-                        self.say(f"  [red]x[/red] {s.id:<24} FAILED after {time.perf_counter() - t0:.1f}s: {_plain(e.summary)}")
-                        return {**rec, "cache": state, "status": "failed", "error": e.summary, "log": str(e.log_path), "log_tail": e.tail}
-                else:
-                    state = "hit"
+            try:  # with Ray a node takes the entry's lock, builds and commits it (run/ray_executor.py)
+                marker, state = (self.executor.build(s, base_dir, run_dir, forced, state) if self.executor
+                                 else self._build_locked(s, base_dir, run_dir, grant, forced, state))
+            except StageFailed as e:
+                failed[s.id] = str(e)
+                self.say(f"  [red]x[/red] {s.id:<24} FAILED after {time.perf_counter() - t0:.1f}s: {_plain(e.summary)}")
+                return {**rec, "cache": state, "status": "failed", "error": e.summary, "log": str(e.log_path), "log_tail": e.tail}
         else:
             state = "hit"
         out = self.cache.entry(s.id, s.key) / "out"
@@ -272,7 +269,15 @@ class Runner:
         dt = time.perf_counter() - t0
         note = f" ({_plain(str(metrics['status_note']))})" if metrics.get("status_note") else ""
         self.say(f"  [green]✓[/green] {s.id:<24} {state:<6} {dt:7.1f}s{note}")
-        return {**rec, "cache": state, "status": "ok", "wall_s": round(dt, 3), "stage_wall_s": marker.get("wall_s"), "metrics": metrics, "out": str(out)}
+        return {**rec, "cache": state, "status": "ok", "wall_s": round(dt, 3), "stage_wall_s": marker.get("wall_s"), "metrics": metrics, "out": str(out),
+                **({"placement": marker["placement"]} if "placement" in marker else {})}
+
+    def _build_locked(self, s: Step, base_dir: str, run_dir: Path, grant: Grant, forced: bool, state: str) -> tuple[dict, str]:
+        """Under the entry's lock: another run may be building the same entry; wait, then reuse it."""
+        self.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.cache.entry(s.id, s.key)) + ".lock"):
+            marker = None if forced else self.cache.lookup(s.id, s.key)
+            return (marker, "hit") if marker is not None else (self._build(s, base_dir, run_dir, grant), state)
 
     def _build(self, s: Step, base_dir: str, run_dir: Path, grant: Grant) -> dict:
         work = self.cache.begin(s.id, s.key)

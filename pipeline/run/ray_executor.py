@@ -1,0 +1,388 @@
+"""Stages as Ray tasks: `--executor ray` hands each stage to a Ray cluster instead of this host's scheduler.
+
+The driver (`quantpipe run`) plans, reads the cache and writes the run records; each stage to build becomes
+one Ray task that asks for what the local scheduler would grant (a benchmark: whole GPUs; quantize and
+evaluate: a GPU fraction sized from the pre-flight estimate; every stage: its RAM estimate as Ray `memory`;
+on a cluster without GPUs a whole node, as the local executor runs one CPU stage at a time). On its node the
+task takes the entry's lock, builds in a fresh working folder beside the entry, and commits it there, so the
+cache must be storage every node mounts at the same path (checked at start by a probe each node writes).
+A node that is lost mid-stage (its raylet gone) ends its attempt uncommitted; Ray runs the task again
+elsewhere (max_retries) and that attempt clears the dead one's folder under the same lock.
+
+    ray start --head --num-gpus 1 && quantpipe run recipes/*.yaml --executor ray --address auto
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import socket
+import threading
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+
+from filelock import FileLock
+
+from ..envs import hardware_key, lock_hash, source_hash
+from . import ray_boot
+from .process import exit_reason, tail
+from .runner import RunError, StageFailed
+from .schedule import SHARED, Grant
+
+log = logging.getLogger(__name__)
+MAX_RETRIES = 3  # Ray re-runs a task whose node or worker died this many times (not one whose stage failed)
+RUN_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "QUANTPIPE_VERIFY")  # the driver's, handed to stages
+PROBE_TIMEOUT_S = 120
+PACKAGE = str(Path(__file__).resolve().parents[1])  # this checkout's quantpipe: each node loads the one at the same path
+
+
+def _loopback(address: str) -> bool:
+    return address.rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+
+
+class RayCluster:
+    """The connection to one Ray cluster, shared by every recipe of a `quantpipe run`."""
+
+    def __init__(self, address: str = "auto", jobs: int | None = None):
+        self.address, self.jobs = address, jobs
+        self.nodes: dict[str, dict] = {}  # node id -> {"address", "resources", and the probe's findings}
+        self.lock = threading.Lock()
+        self.inflight: dict[tuple[str, str], Future] = {}  # (stage, key) being built by one recipe; the others wait for it
+        self.probed = (set(), set(), set())  # caches, environments, stage kinds every node was checked for
+        self.stopping = False
+
+    def connect(self) -> RayCluster:
+        if _loopback(self.address):  # Ray would dial this host's external address instead of the loopback one given
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        import ray
+
+        addr = self.address if self.address != "auto" else os.environ.get("RAY_ADDRESS", "auto")
+        if addr != "auto" and not addr.startswith("ray://"):
+            host, _, port = addr.rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=5).close()
+            except (OSError, ValueError) as e:
+                raise RunError(f"--address {self.address}: no Ray cluster answers there ({e}); start one (`ray start --head`) "
+                               "or give the address its head printed (HOST:PORT)") from None
+        try:
+            ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False, namespace="quantpipe")
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RunError(f"--address {self.address}: cannot connect to a Ray cluster ({str(e).splitlines()[0][:200]}); start one "
+                           "(`ray start --head`) or pass --address HOST:PORT") from None
+        self.ray = ray
+        ray.cloudpickle.register_pickle_by_value(ray_boot)  # its code goes with each task: a node needs no quantpipe installed
+        self.task = ray.remote(ray_boot.call)
+        self.refresh()
+        return self
+
+    def refresh(self) -> list[str]:
+        """The live nodes' ids; every node seen stays named (a lost one too)."""
+        alive = []
+        for n in self.ray.nodes():
+            d = self.nodes.setdefault(n["NodeID"], {"resources": {}})
+            d |= {"address": f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}", "alive": bool(n.get("Alive"))}
+            if n.get("Alive"):
+                d["resources"] = n.get("Resources", {})
+                alive.append(n["NodeID"])
+        return alive
+
+    def _live(self) -> list[dict]:
+        return [n for n in self.nodes.values() if n.get("alive")]
+
+    def name(self, node_id: str) -> str:
+        return f"{self.nodes.get(node_id, {}).get('address', '?')} (node {node_id[:8]})"
+
+    def check(self, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
+        """Every node must see each cache (a probe file each way), honour its locks, and hold the same environments and
+        stage code as this driver: a node that does not is refused by its address, before anything is written."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        want = ({str(c) for c in caches}, set(envs), set(kinds))
+        if all(w <= p for w, p in zip(want, self.probed)):
+            return
+        caches, envs, kinds = [Path(c) for c in sorted(want[0] | self.probed[0])], want[1] | self.probed[1], want[2] | self.probed[2]
+        token = uuid.uuid4().hex
+        held, probes = [], {}
+        try:
+            for root in caches:
+                d = Path(root) / "tmp" / "ray"
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"probe-{token}").write_text(token)
+                lock = FileLock(str(d / f"probe-{token}.lock"))
+                lock.acquire()
+                held.append(lock)
+            job = {"caches": [str(c) for c in caches], "token": token, "envs": {e: lock_hash(e) for e in envs},
+                   "code": {k: source_hash(k) for k in kinds}}
+            refs = {self.task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(PACKAGE, "probe", job): nid
+                    for nid in self.refresh()}
+            ready, late = self.ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+            problems = [f"node {self.name(refs[r])} did not answer a probe task within {PROBE_TIMEOUT_S} s; check that node (`ray status`)" for r in late]
+            for r in ready:
+                nid = refs[r]
+                try:
+                    found = self.ray.get(r)
+                except self.ray.exceptions.RayError as e:
+                    problems.append(f"node {self.name(nid)}: the probe task failed ({str(e).splitlines()[0][:200]})")
+                    continue
+                probes[nid] = found
+                problems += [f"node {self.name(nid)}: {p}" for p in found["problems"]]
+                if found["lock_problem"] and os.environ.get("QUANTPIPE_CACHE_LOCKS") == "per-host":  # the user runs one driver per cache
+                    log.warning("node %s: %s (QUANTPIPE_CACHE_LOCKS=per-host: going on)", self.name(nid), found["lock_problem"])
+                elif found["lock_problem"]:
+                    problems.append(f"node {self.name(nid)}: {found['lock_problem']}")
+                for root in caches:
+                    seen = Path(root) / "tmp" / "ray" / f"probe-{token}.{nid}"
+                    if not found["problems"] and (not seen.is_file() or seen.read_text() != token):
+                        problems.append(f"node {self.name(nid)}: a probe it wrote into the stage cache {root} is not visible here; "
+                                        "mount the same storage at the same path on every node and on this driver, or pass --cache")
+            if problems:
+                raise RunError("--executor ray: " + "; ".join(problems[:1]) + "".join(f"\n  - {p}" for p in problems[1:]))
+        finally:
+            for lock in held:
+                lock.release()
+            for root in caches:
+                for p in (Path(root) / "tmp" / "ray").glob(f"probe-{token}*"):
+                    p.unlink(missing_ok=True)
+        for nid, found in probes.items():
+            self.nodes[nid] |= {k: found[k] for k in ("gpus", "gpu", "ram_bytes", "cpus", "hardware")}
+        other = sorted({self.name(i) for i, n in self.nodes.items() if n.get("alive") and n["resources"].get("GPU") and n.get("hardware") != hardware_key()})
+        if "benchmark" in kinds and other:
+            log.warning("benchmark keys and records describe this driver's host, but benchmarks run on %s, whose hardware differs; "
+                        "run quantpipe on a node like them so that a benchmark is never reused across hardware (docs/cluster.md)", ", ".join(other))
+        self.probed = ({str(c) for c in caches}, set(envs), set(kinds))
+
+    def gpu_total_bytes(self) -> int | None:
+        """The smallest GPU of the nodes that have Ray GPUs and know their size (nvidia-smi, or simulated ones)."""
+        sizes = [g["total_bytes"] for n in self._live() if n["resources"].get("GPU") for g in n.get("gpus", [])]
+        return min(sizes) if sizes else None
+
+    def request(self, kind: str, est: dict | None, tp: int = 1) -> dict:
+        """The Ray resources of one stage: what the local scheduler would grant it, as a Ray request."""
+        est = est or {}
+        ram = int(est.get("ram_bytes") or 0)
+        req: dict = {"num_cpus": 1, "num_gpus": 0}
+        if ram:
+            req["memory"] = ram
+        if not any(n["resources"].get("GPU") for n in self._live()):
+            cpus = [int(n["resources"]["CPU"]) for n in self._live() if n["resources"].get("CPU", 0) >= 1]
+            req["num_cpus"] = min(cpus, default=1)  # a whole node, as the local executor runs one stage at a time without GPUs
+        elif kind == "benchmark":
+            req["num_gpus"] = tp
+        elif kind in SHARED:
+            need, total = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0), self.gpu_total_bytes()
+            req["num_gpus"] = min(1.0, max(0.01, math.ceil(need / total * 100) / 100)) if need and total else 1
+        return req
+
+    def infeasible(self, sid: str, req: dict) -> str | None:
+        """Why no node could ever run `req` (Ray would queue it forever), else None."""
+        keys = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+        for n in self._live():
+            if all(n["resources"].get(keys[k], 0) >= v for k, v in req.items() if v):
+                return None
+        biggest = {r: max((n["resources"].get(r, 0) for n in self._live()), default=0) for r in keys.values()}
+        asks = ", ".join(f"{keys[k]} {_fmt(keys[k], v)}" for k, v in req.items() if v)
+        has = ", ".join(f"{r} {_fmt(r, v)}" for r, v in biggest.items())
+        return f"{sid} asks Ray for {asks} but no node has that much (the largest offer: {has}); add such a node or lower the stage's needs"
+
+    def claim(self, key: tuple[str, str]) -> tuple[Future, bool]:
+        with self.lock:
+            if key in self.inflight:
+                return self.inflight[key], False
+            self.inflight[key] = Future()
+            return self.inflight[key], True
+
+    def done(self, key: tuple[str, str]) -> None:
+        with self.lock:
+            self.inflight.pop(key, None)
+
+    def attach(self, runner) -> RayStages:
+        """Make this cluster a runner's executor: its pre-flight, scheduler and processes become the cluster's."""
+        stages = RayStages(self, runner)
+        runner.procs, runner.scheduler = stages, stages.scheduler
+        return stages
+
+    def shutdown(self) -> None:
+        if getattr(self, "ray", None) is not None:
+            self.ray.shutdown()
+
+
+def _fmt(resource: str, v) -> str:
+    return f"{v / 2**30:.1f} GiB" if resource == "memory" else f"{v:g}"
+
+
+class Unlimited:
+    """With Ray, Ray places stages by their requests; this only caps how many one recipe has submitted (--jobs)."""
+
+    def __init__(self, jobs: int | None):
+        self.jobs, self.running, self.ram_bytes = jobs, set(), None
+
+    def try_start(self, sid, kind, est, n_gpus: int = 1) -> Grant | None:
+        if self.jobs and len(self.running) >= self.jobs:
+            return None
+        self.running.add(sid)
+        return Grant([])
+
+    def finish(self, sid) -> None:
+        self.running.discard(sid)
+
+
+class RayStages:
+    """One recipe's stages on the cluster: the runner's pre-flight, scheduler and builder when --executor ray."""
+
+    def __init__(self, cluster: RayCluster, runner):
+        self.cluster, self.runner = cluster, runner
+        self.scheduler = Unlimited(cluster.jobs)
+        self.refs: dict[str, object] = {}  # stage id -> its running task
+        self.cancels: dict[str, Path] = {}  # stage id -> the file that tells its task to stop
+
+    def preflight(self, recipe, steps, base_dir, cache_dir, out_dir, todo):
+        """Pre-flight against the cluster's nodes (the largest one's memory and GPU), not against this driver's host."""
+        from .. import preflight
+
+        c = self.cluster
+        c.check([Path(cache_dir)], {s.env for s in steps}, {s.kind for s in steps})
+        real = [n["gpu"] for n in c._live() if n.get("gpu")]
+        gpu = max(real, key=lambda g: g["total_bytes"]) if real else None
+        have = {"ram_bytes": max((n.get("ram_bytes") or 0 for n in c._live()), default=None) or None, "gpu": gpu,
+                "disk": preflight.machine(cache_dir, out_dir)["disk"]}
+        est = preflight.estimate(recipe, steps, base_dir, gpu, have["ram_bytes"])
+        bad = preflight.problems(recipe, est, have, todo)
+        for s in steps:
+            tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
+            why = c.infeasible(s.id, c.request(s.kind, est.get(s.id), tp)) if s.id in todo else None
+            bad += [why] if why else []
+        if bad and os.environ.get("QUANTPIPE_PREFLIGHT", "").lower() not in ("off", "0", "false", "no"):
+            raise preflight.PreflightError("pre-flight: this run would not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in bad))
+        return est, have
+
+    def build(self, s, base_dir: str, run_dir: Path, forced: bool, state: str) -> tuple[dict, str]:
+        """Build one entry on the cluster; a recipe asking for an entry another recipe is building waits for that build."""
+        fut, mine = self.cluster.claim((s.id, s.key))
+        if not mine:
+            self.runner.say(f"  [cyan]>[/cyan] {s.id:<24} being built for another recipe of this run; waiting for it")
+            return {k: v for k, v in fut.result().items() if k != "placement"}, "hit"
+        try:
+            marker, state = self._submit(s, base_dir, run_dir, forced, state)
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        else:
+            fut.set_result(marker)
+            return marker, state
+        finally:
+            self.cluster.done((s.id, s.key))
+
+    def _submit(self, s, base_dir: str, run_dir: Path, forced: bool, state: str) -> tuple[dict, str]:
+        r, c, ray = self.runner, self.cluster, self.cluster.ray
+        upstream = {role: r.records[sid].to_json() for role, sid in s.refs.items() if sid in r.records}
+        spec = {"stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"),
+                "src": base_dir if s.src == "external" else str(r.records[s.src].out), "upstream": upstream}
+        name = s.id.replace(":", "_")
+        live = r.cache.root / "tmp" / "ray" / run_dir.name / name  # the stage's log and attempts while it runs (every node sees it)
+        live.mkdir(parents=True, exist_ok=True)
+        log_path = run_dir / "logs" / f"{name}.log"
+        job = {"cache": str(r.cache.root), "stage": s.id, "kind": s.kind, "key": s.key, "env": s.env, "forced": forced, "spec": spec,
+               "log": str(live / "stage.log"), "attempts": str(live / "attempts.jsonl"), "cancel": str(live / "cancel"), "timeout_s": r.stage_timeout_s,
+               "run_env": {k: os.environ[k] for k in RUN_ENV if k in os.environ},
+               "expect": {"env": lock_hash(s.env), "code": source_hash(s.kind)}}
+        tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
+        req = c.request(s.kind, r.estimates.get(s.id), tp)
+        asks = ", ".join(f"{k.removeprefix('num_')} {_fmt('memory' if k == 'memory' else k, v)}" for k, v in req.items() if v)
+        r.say(f"  [cyan]>[/cyan] {s.id:<24} submitted to Ray ({asks}) in the {s.env} environment (log: {log_path})")
+        while True:
+            if c.stopping:
+                raise KeyboardInterrupt("the run was interrupted")
+            ref = c.task.options(**req, max_retries=MAX_RETRIES, retry_exceptions=False, name=f"quantpipe {s.id}").remote(PACKAGE, "run_stage", job)
+            self.refs[s.id], self.cancels[s.id] = ref, live / "cancel"
+            try:
+                out = ray.get(ref)
+            except ray.exceptions.TaskCancelledError:
+                raise KeyboardInterrupt(f"{s.id} was cancelled") from None
+            except ray.exceptions.RayError as e:
+                _move(Path(job["log"]), log_path)
+                why = getattr(e, "cause", None) or e  # a task's own exception, else what Ray says happened to it
+                raise StageFailed(f"Ray could not run {s.id} ({type(why).__name__}: {str(why).strip().splitlines()[-1][:300]}); nothing of "
+                                  f"it was committed; the next run builds it again", log_path, tail(log_path)) from None
+            finally:
+                self.refs.pop(s.id, None)
+                self.cancels.pop(s.id, None)
+            if out["state"] != "busy":
+                break
+            # another run holds the entry's lock: wait for it here, where waiting holds no cluster resources
+            r.say(f"  [cyan]>[/cyan] {s.id:<24} another run is building this entry; waiting for it")
+            with FileLock(str(r.cache.entry(s.id, s.key)) + ".lock"):
+                marker = None if forced else r.cache.lookup(s.id, s.key)
+            if marker is not None:
+                return marker, "hit"
+        _move(Path(job["log"]), log_path)
+        attempts = _read_attempts(Path(job["attempts"]))
+        (live / "cancel").unlink(missing_ok=True)
+        for d in (live, live.parent):  # the run's last stage leaves no folder behind
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        if out["state"] == "hit":
+            return out["marker"], "hit"
+        if out["state"] == "cancelled":
+            raise KeyboardInterrupt(f"{s.id} was stopped: the run was interrupted")
+        if out["state"] == "failed":
+            last = tail(log_path)
+            if out.get("summary"):
+                raise StageFailed(out["summary"], log_path, last)
+            if out.get("rc") is None:
+                raise StageFailed(f"{s.id} ran longer than --stage-timeout ({r.stage_timeout_s / 60:g} min) and was stopped with its "
+                                  f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})", log_path, last)
+            err = [ln for ln in last.splitlines() if ln.startswith("STAGE_ERROR: ")]
+            raise StageFailed(err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(out['rc'])}; last lines of {log_path}:\n{last}", log_path, last)
+        c.refresh()
+        placement = {"executor": "ray", "node": c.name(out["node_id"]), "request": req, "gpu_ids": out.get("gpu_ids"),
+                     "attempts": [{**a, "node": c.name(a["node_id"])} for a in attempts]}
+        if len(attempts) > 1:
+            lost = round(attempts[-1]["started_at"] - attempts[0]["started_at"], 1)
+            gone = ", ".join(c.name(a["node_id"]) for a in attempts[:-1])
+            placement |= {"lost_s": lost, "note": f"{s.id}: lost with node {gone}; Ray ran it again on {placement['node']}, {lost:g} s after "
+                                                  f"the first attempt began ({len(attempts)} attempts, nothing of the lost one committed)"}
+            r.say(f"  [yellow]![/yellow] {placement['note']}")
+        return {**out["marker"], "placement": placement}, state
+
+    def signal_all(self, sig) -> None:
+        """Ask every running task of this recipe to stop its stage (a file each one watches; from a signal handler)."""
+        for cancel in list(self.cancels.values()):
+            try:
+                cancel.touch()
+            except OSError:
+                pass
+
+    def stop_all(self) -> None:
+        """Stop this recipe's running tasks: each stops its stage and removes its working folder; what is still running
+        after 20 s Ray kills (its stage dies with it; the entry's next build removes its folder)."""
+        self.signal_all(None)
+        refs = list(self.refs.values())
+        if refs:
+            _, late = self.cluster.ray.wait(refs, num_returns=len(refs), timeout=20)
+            for ref in late:
+                try:
+                    self.cluster.ray.cancel(ref, force=True)
+                except Exception:
+                    pass
+
+
+def _move(src: Path, dst: Path) -> None:
+    try:
+        shutil.move(str(src), dst)
+    except OSError:
+        pass
+
+
+def _read_attempts(path: Path) -> list[dict]:
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        rows = []
+    path.unlink(missing_ok=True)
+    return rows
