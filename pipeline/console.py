@@ -230,7 +230,7 @@ def _follow(f: _File) -> None:
             chunk = fh.read(4 << 20)
     except OSError:
         return
-    cut = chunk.rfind(b"\n") + 1  # whole lines only: the rest is read next time
+    cut = chunk.rfind(b"\n") + 1  # whole lines only: a partial line waits for the next read
     text = chunk[:cut].decode("utf-8", "replace")
     f.offset += cut
     f.up = f.up or any(s in text for s in SERVER_UP)

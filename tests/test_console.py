@@ -69,7 +69,7 @@ def test_the_pump_feeds_progress_bars_to_the_live_line_as_they_move(tmp_path):
         seen += [x[2] for x in live.lines()]
         time.sleep(0.1)
     t.join()
-    # while the program ran (its bar not yet ended by a newline) the line named the layer and the samples done
+    # while the program ran (its bar still open, with no newline) the line named the layer and the samples done
     assert "model.layers.1.self_attn.v_proj · calibrating subgraph 3/5: 4/64 samples" in seen
     assert "model.layers.1.self_attn.v_proj · calibrating subgraph 3/5: 20/64 samples" in seen
     text = log.read_bytes().decode()  # (read_text would turn each \r into \n)
