@@ -21,29 +21,24 @@ by their pids and then kills, by pid, anything still carrying the marker.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from pathlib import Path
-from types import SimpleNamespace
 
 import psutil
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.ray_cluster import MARK, marked, ray_cluster
 
 from quantpipe.cache import StageCache
 from quantpipe.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-MARK = "QUANTPIPE_RAY_TEST"
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
@@ -134,55 +129,6 @@ class socket_free:
 
 
 # --- a real cluster ----------------------------------------------------------------------------------
-
-
-def marked(mark: str) -> list[psutil.Process]:
-    """Live processes whose environment carries `mark` (read raw: psutil's parse loses it where Ray set a process title)."""
-    out, needle = [], f"{MARK}={mark}".encode()
-    for p in psutil.process_iter(["pid", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and needle in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0"):
-                out.append(p)
-        except (psutil.Error, OSError):
-            pass
-    return out
-
-
-@contextlib.contextmanager
-def ray_cluster(nodes: int, system: dict | None = None, **node):
-    """A head and nodes-1 more nodes on 127.0.0.1 (Ray's files in a short folder under /tmp); stopped by pid, then
-    anything still carrying this cluster's marker (Ray's workers and agents outlive their raylet briefly) killed by pid."""
-    from ray.cluster_utils import Cluster
-
-    tmp = tempfile.mkdtemp(prefix="qpray-", dir="/tmp")  # Ray's socket paths must stay short
-    mark = uuid.uuid4().hex
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", MARK, "QUANTPIPE_GPUS")}
-    os.environ.update({"RAY_TMPDIR": tmp, MARK: mark, **({"QUANTPIPE_GPUS": "1x24"} if node.get("num_gpus") else {})})
-    node = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20, **node}
-    fast = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, **(system or {})}  # a lost node is dead in seconds
-    c = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args={**node, "include_dashboard": False, "_system_config": fast})
-    try:
-        more = [c.add_node(**node) for _ in range(nodes - 1)]
-        yield SimpleNamespace(cluster=c, address=c.address, head=c.head_node, second=more[0] if more else None, node=node, mark=mark)
-    finally:
-        for n in [*c.worker_nodes, c.head_node]:
-            if n is not None:
-                n.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-        deadline, quiet = time.monotonic() + 30, 0
-        while quiet < 10:  # until none shows for 5 s: Ray's agents can outlive their raylet, ignoring SIGTERM
-            left = marked(mark)
-            quiet = 0 if left else quiet + 1
-            for p in left:
-                try:
-                    if p.ppid() == 1 or time.monotonic() > deadline:  # orphaned, or still there after 30 s: killed by pid
-                        p.kill()
-                except psutil.Error:
-                    pass
-            time.sleep(0.5)
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        shutil.rmtree(tmp, ignore_errors=True)
-        assert not [p for p in marked(mark) if p.is_running()], "Ray processes outlived the test cluster"
 
 
 @pytest.fixture(scope="module")
@@ -426,41 +372,3 @@ def test_a_node_lost_mid_quantize_is_retried_elsewhere_and_the_run_ends_ok(tiny,
     for art in ("fp8", "rtn"):
         verify(tmp_path / "out" / "packages" / art)
     cluster.cluster.remove_node(second, allow_graceful=False)
-
-
-@pytest.mark.slow
-@pytest.mark.long
-def test_ray_on_one_node_takes_at_most_a_tenth_more_wall_time_than_the_local_executor(tiny, tmp_path):
-    """The demo recipe from the same (empty) cache state, through Ray on one node of this host's cores (every stage asks
-    for all of them, as the local executor runs one at a time here) and through the local executor; Ray first. This
-    host is shared, so the stages' own speed varies between the two runs: what is held to a tenth of the local run's
-    wall time is what each executor adds to its stages (the run's wall time less the stages' own, which run one after
-    another in both). Both wall times are printed and kept in overhead.json. QUANTPIPE_RAY_OVERHEAD_ARGS narrows the
-    recipe (default: merge and quantize int8, a few minutes; "--artifacts int8 --stages quantize,evaluate" adds the
-    baseline's and int8's evaluations); "" runs the whole demo."""
-    args = os.environ.get("QUANTPIPE_RAY_OVERHEAD_ARGS", "--artifacts int8 --stages quantize").split()
-    text = (REPO / "recipes" / "demo.yaml").read_text().replace("../.tiny/", f"{tiny.root}/")
-    walls, stages = {}, {}
-    # Ray runs its tasks at nice 15 (RAY_worker_niceness); other work on this shared host would then take the Ray run's
-    # CPU time and not the local run's: both run at the same priority here, so that the difference is Ray's
-    with ray_cluster(1, system={"worker_niceness": 0}, num_cpus=os.cpu_count() or 2) as c:
-        for executor in ("ray", "local"):
-            recipe = tmp_path / f"demo-{executor}.yaml"
-            recipe.write_text(text.replace("output_dir: ../out/demo", f"output_dir: {tmp_path / executor / 'out'}"))
-            extra = ["--executor", "ray", "--address", c.address] if executor == "ray" else []
-            env = {**os.environ, MARK: c.mark, "TMPDIR": str(tmp_path)}
-            t0 = time.monotonic()
-            with open(tmp_path / f"{executor}.stderr", "w") as err:
-                rc = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(recipe), "--cache", str(tmp_path / executor / "cache"),
-                                     *args, *extra], stdout=err, stderr=subprocess.STDOUT, env=env, timeout=3600).returncode
-            walls[executor] = round(time.monotonic() - t0, 1)
-            assert rc == 0, (tmp_path / f"{executor}.stderr").read_text()[-3000:]
-            rec = record(tmp_path / executor / "out")
-            assert {st["cache"] for st in rec["stages"].values()} == {"miss"}  # the same state: every stage built
-            stages[executor] = round(sum(st["stage_wall_s"] for st in rec["stages"].values()), 1)
-    added = {e: round(walls[e] - stages[e], 1) for e in walls}
-    result = {"args": args, "wall_s": walls, "stages_s": stages, "executor_s": added, "ratio": round(walls["ray"] / walls["local"], 3),
-              "ray_adds_of_local_wall": round((added["ray"] - added["local"]) / walls["local"], 3)}
-    (tmp_path / "overhead.json").write_text(json.dumps(result, indent=2))
-    print(f"\n{json.dumps(result)}")
-    assert added["ray"] - added["local"] <= 0.10 * walls["local"], result
