@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -206,12 +205,13 @@ def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jo
         mlflow_uri, refresh_history):
     """Run each RECIPE's stages, reusing every cached one. Several recipes share the stage cache (an entry they have in
     common is built once), each gets its report, and the matrix one index (matrix.html)."""
-    from .envs import EnvError
+    from .envs import EnvError, platform_override
     from .run.runner import KINDS, RunError, Runner
 
-    platform = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
-    if platform and platform not in ("cpu", "cuda"):
-        raise BadInput(f"QUANTPIPE_PLATFORM={platform} is not a platform: use cpu or cuda (or unset it to detect)")
+    try:
+        platform_override()
+    except EnvError as e:
+        raise BadInput(str(e)) from None
     if address is not None and executor != "ray":
         raise BadInput("--address names a Ray cluster: add --executor ray, or drop --address")
     if gpu_select and executor == "ray":

@@ -68,13 +68,19 @@ def stage_env(kind: str, artifact=None) -> str:
     return STAGES[kind][1]
 
 
+def platform_override() -> str:
+    """`$QUANTPIPE_PLATFORM` checked (cpu or cuda), or "" where it is unset."""
+    chosen = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
+    if chosen and chosen not in PLATFORMS:
+        raise EnvError(f"QUANTPIPE_PLATFORM={chosen} is not a platform: use cpu or cuda (or unset it to detect)")
+    return chosen
+
+
 @cache
 def host_platform() -> str:
     """`cuda` where nvidia-smi lists a GPU, else `cpu`; `$QUANTPIPE_PLATFORM` overrides it (as in scripts/setup_envs.sh)."""
-    chosen = os.environ.get("QUANTPIPE_PLATFORM", "").strip()
+    chosen = platform_override()
     if chosen:
-        if chosen not in PLATFORMS:
-            raise EnvError(f"QUANTPIPE_PLATFORM={chosen} is not a platform: use cpu or cuda (or unset it to detect)")
         return chosen
     if shutil.which("nvidia-smi"):
         try:
