@@ -163,8 +163,19 @@ class TaskNames:
         return out
 
 
+def _local_data_files(entry: Entry | None) -> list[str]:
+    """The absolute local paths a task reads its data from (dataset_path, dataset_kwargs.data_files); hub ids and URLs are not paths."""
+    cfg = (entry.cfg or {}) if entry else {}
+    files = cfg.get("dataset_kwargs", {}).get("data_files") if isinstance(cfg.get("dataset_kwargs"), dict) else None
+    found = [cfg.get("dataset_path")]
+    for v in (files.values() if isinstance(files, dict) else [files]):
+        found.extend(v if isinstance(v, list) else [v])
+    return [f for f in found if isinstance(f, str) and f.startswith("/") and not any(c in f for c in "*?[")]
+
+
 def problems(recipe) -> list[str]:
-    """Unknown lm-eval task names (with lm-eval's nearest ones), and per-task gates that name no evaluated task."""
+    """Unknown lm-eval task names (with lm-eval's nearest ones), task data files that do not exist, and per-task gates
+    that name no evaluated task."""
     le = recipe.evaluation.lm_eval
     if le is None:
         return []
@@ -184,6 +195,12 @@ def problems(recipe) -> list[str]:
         where = f"evaluation.lm_eval.include_path ({le.include_path})" if le.include_path else "evaluation.lm_eval.include_path (not set)"
         out.append(f"evaluation.lm_eval.tasks: unknown task {', '.join(hints)}; lm-eval knows its built-in tasks and the YAML "
                    f"files in {where}: fix the name or add the task's YAML there")
+        return out
+    missing = [(leaf, f) for t in le.tasks for leaf in sorted(names.leaves(t) or {t}) for f in _local_data_files(names.index.get(leaf))
+               if not Path(f).exists()]
+    if missing:
+        out.append("evaluation.lm_eval.tasks: " + "; ".join(f"task {leaf!r} reads its data from {f}, which does not exist" for leaf, f in missing)
+                   + ": fix dataset_path / dataset_kwargs.data_files in the task's YAML (a copied task folder keeps the old absolute paths)")
         return out
     per_task = recipe.evaluation.gates.min_recovery_per_task
     if per_task:

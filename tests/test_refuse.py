@@ -191,6 +191,13 @@ def test_unknown_lm_eval_task_is_refused_with_the_nearest_names(world, command, 
     assert "'refuse_task'" not in out.split("unknown task")[1].split("(did")[0]  # the known one is not reported
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_task_whose_data_file_is_missing_is_refused_naming_the_file(world, command):
+    (world / "tasks" / "refuse.jsonl").rename(world / "moved.jsonl")  # a task folder copied or moved: its YAML keeps the old path
+    refused(world, command, good(), "evaluation.lm_eval.tasks", "task 'refuse_task' reads its data from", str(world / "tasks" / "refuse.jsonl"),
+            "dataset_kwargs.data_files")
+
+
 def test_builtin_lm_eval_tasks_are_found_without_the_full_index(world):
     d = good()
     d["evaluation"]["lm_eval"]["tasks"] = ["refuse_task", "arc_easy", "hellaswag"]
