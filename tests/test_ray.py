@@ -10,6 +10,8 @@ must stay under 108 characters). Each test runs `quantpipe run` as a subprocess 
 - a node without the environments is refused by its address before anything is written;
 - a driver killed with kill -9 mid-stage leaves no stage running, and then two drivers on the one cache
   reuse every committed stage and build each missing entry once between them;
+- a driver given SIGTERM or Ctrl-C (SIGINT) mid-stage stops its stages on the cluster, exits 130, records the
+  run as interrupted and commits nothing of the stopped stage;
 - the second node's raylet killed (SIGKILL) while it runs a quantize stage: Ray runs the stage again on the
   head, the run ends ok, nothing of the lost attempt is committed, and the run says how long it lost.
 
@@ -338,6 +340,32 @@ def test_a_killed_driver_then_two_drivers_on_one_cache_reuse_and_build_each_entr
     verify(tmp_path / "out2" / "packages" / "fp8")
     assert not leftovers(cache)
     assert_entries_verify(cache)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_a_signalled_driver_stops_its_stages_records_the_interrupt_and_commits_nothing_of_them(tiny, tmp_path, tmp_path_factory, cluster, sig):
+    cache = tmp_path_factory.getbasetemp() / "signalled-cache"  # one cache for both signals: the second run finds the merge committed
+    r = write_recipe(tmp_path / "sig.yaml", tiny, tmp_path / "out", {"name": "fp8", "method": "fp8"})
+    run = quantpipe(str(r), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="sig")
+    workers = until("a quantize stage under way", lambda: stage_workers(cluster.mark, "quantize:fp8"), run, tmp_path, "sig")
+    t0 = time.monotonic()
+    run.send_signal(sig)
+    rc, err = finish(run, tmp_path, "sig", timeout_s=120)
+    took = time.monotonic() - t0
+    assert rc == 130, err[-3000:]
+    assert "interrupted: running stages were stopped" in err and "Traceback" not in err, err[-3000:]
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, f"the stage of a {sig.name}-ed driver is still running: {alive}"
+    assert not stage_workers(cluster.mark, "quantize:fp8")
+    rec = record(tmp_path / "out")
+    assert rec["status"] == "interrupted", rec["status"]
+    assert "quantize:fp8" not in rec["stages"]  # a run records the stages that ended; the stopped one did not
+    assert "merge" in committed(cache) and "quantize:fp8" not in committed(cache)
+    assert not leftovers(cache)
+    assert_entries_verify(cache)
+    print(f"\n{sig.name}: the driver exited {took:.1f} s after the signal")
 
 
 @pytest.mark.slow

@@ -188,6 +188,9 @@ class Runner:
             t0 = time.time()
             try:
                 rec = self._do_step(s, base_dir, failed, force, run_dir, grant)
+            except KeyboardInterrupt as e:  # the run is being interrupted, and this stage was stopped with it
+                rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted", "error": str(e)}
+                failed[s.id] = rec["error"]
             except BaseException as e:  # a bug in the runner itself: the stage fails, the run goes on
                 log.exception("stage %s", s.id)
                 rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "failed", "error": f"{type(e).__name__}: {e}"}
