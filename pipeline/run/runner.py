@@ -2,10 +2,9 @@
 
 Order: merge once; the unquantized merged model is the `baseline` that is evaluated and benchmarked
 like every artifact; then per artifact quantize -> evaluate -> benchmark -> package; one report.
-Each stage runs as a subprocess (`worker.py`) in its environment, in its own process group
-(run/process.py), and its output is committed to the stage cache atomically. A run writes
-`<output_dir>/runs/<run_id>/` (run.json, run.log, logs/, report.*) and publishes packages to
-`<output_dir>/packages/<artifact>` by an atomic symlink swap (run/publish.py).
+Each stage runs as a subprocess (`worker.py`) in its environment, in its own process group (run/process.py), and
+its output is committed to the stage cache atomically. A run writes `<output_dir>/runs/<run_id>/` (run.json,
+run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>` by an atomic symlink swap (run/publish.py).
 
     quantpipe run recipes/demo.yaml --dry-run
 """
@@ -188,12 +187,11 @@ class Runner:
             t0 = time.time()
             try:
                 rec = self._do_step(s, base_dir, failed, force, run_dir, grant)
-            except KeyboardInterrupt as e:  # the run is being interrupted, and this stage was stopped with it
-                rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted", "error": str(e)}
-                failed[s.id] = rec["error"]
-            except BaseException as e:  # a bug in the runner itself: the stage fails, the run goes on
-                log.exception("stage %s", s.id)
-                rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "failed", "error": f"{type(e).__name__}: {e}"}
+            except BaseException as e:  # stopped with an interrupted run (no traceback), or a bug in the runner: the stage fails, the run goes on
+                stopped = isinstance(e, KeyboardInterrupt)
+                if not stopped:
+                    log.exception("stage %s", s.id)
+                rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted" if stopped else "failed", "error": str(e) if stopped else f"{type(e).__name__}: {e}"}
                 failed[s.id] = rec["error"]
             rec |= {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}
             done.put((s, rec))
