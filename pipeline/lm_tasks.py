@@ -166,7 +166,8 @@ class TaskNames:
 def _local_data_files(entry: Entry | None) -> list[str]:
     """The absolute local paths a task reads its data from (dataset_path, dataset_kwargs.data_files); hub ids and URLs are not paths."""
     cfg = (entry.cfg or {}) if entry else {}
-    files = cfg.get("dataset_kwargs", {}).get("data_files") if isinstance(cfg.get("dataset_kwargs"), dict) else None
+    kwargs = cfg.get("dataset_kwargs")
+    files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
     found = [cfg.get("dataset_path")]
     for v in (files.values() if isinstance(files, dict) else [files]):
         found.extend(v if isinstance(v, list) else [v])

@@ -187,7 +187,7 @@ class Runner:
             t0 = time.time()
             try:
                 rec = self._do_step(s, base_dir, failed, force, run_dir, grant)
-            except BaseException as e:  # stopped with an interrupted run (no traceback), or a bug in the runner: the stage fails, the run goes on
+            except BaseException as e:  # stopped by the run's interrupt (recorded, no traceback), or a runner bug (the stage fails, the run goes on)
                 stopped = isinstance(e, KeyboardInterrupt)
                 if not stopped:
                     log.exception("stage %s", s.id)
