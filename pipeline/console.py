@@ -263,12 +263,13 @@ def _elapsed(s: float) -> str:
 
 
 def summary_rows(summary: dict) -> list[list[str]]:
-    """The final table: artifact, size, recovery [95% CI], KL, goodput at the SLO, gate."""
+    """The final table: artifact, size, recovery [95% CI], KL, goodput at the SLO [95% CI], gate."""
     rows = []
     for r in summary.get("rows") or []:
         ci = r.get("recovery_ci")
         rec = "—" if r.get("recovery") is None else f"{r['recovery']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
-        good = "—" if r.get("goodput") is None else f"{sig(r['goodput'])} req/s" + (
+        gci = r.get("goodput_ci")
+        good = "—" if r.get("goodput") is None else f"{sig(r['goodput'])}" + (f" [{sig(gci[0])}, {sig(gci[1])}]" if gci else "") + " req/s" + (
             f" (c={r['best']['concurrency']})" if (r.get("best") or {}).get("concurrency") is not None else "")
         if r.get("goodput") is None and r.get("servable") is False:
             good = "not servable here"

@@ -193,6 +193,50 @@ def test_best_is_the_most_goodput_within_the_slo_none_when_none_meets_it_the_mos
     assert (free["variant"], free["concurrency"]) == ("default", 4) and "no SLO" in free["reason"]
 
 
+def _detailed(n: int, ttft_s: float, itl_s: float, out: int, jitter: float, seed: int = 1) -> dict:
+    """A `vllm bench serve --save-detailed` result of n requests at concurrency 1 (seconds, as vLLM writes them)."""
+    import random
+
+    rng = random.Random(seed)
+    ttfts = [ttft_s * (1 + rng.uniform(-jitter, jitter)) for _ in range(n)]
+    itls = [[itl_s * (1 + rng.uniform(-jitter, jitter)) for _ in range(out - 1)] for _ in range(n)]
+    duration = sum(t + sum(i) for t, i in zip(ttfts, itls))
+    return {"ttfts": ttfts, "itls": itls, "output_lens": [out] * n, "errors": [""] * n, "completed": n,
+            "request_throughput": n / duration, "output_throughput": n * out / duration, "request_goodput": n / duration}
+
+
+def test_sweep_point_intervals_come_from_its_requests_and_narrow_with_more_of_them():
+    from quantpipe.recipe import SLO
+    from quantpipe.stages.benchmark.stats import half_width, intervals
+
+    small, big = intervals(_detailed(16, 0.05, 0.01, 32, 0.5)), intervals(_detailed(400, 0.05, 0.01, 32, 0.5))
+    for iv, raw in ((small, _detailed(16, 0.05, 0.01, 32, 0.5)), (big, _detailed(400, 0.05, 0.01, 32, 0.5))):
+        lo, hi = iv["tpot_ms"]["p50"]
+        assert lo < 10.0 < hi  # the true median TPOT is 10 ms
+        assert iv["ttft_ms"]["p50"][0] < 50.0 < iv["ttft_ms"]["p50"][1]
+        assert iv["ci95"]["request_throughput"][0] <= raw["request_throughput"] <= iv["ci95"]["request_throughput"][1]
+        assert "goodput" not in iv["ci95"]  # no SLO given
+    hw = {n: half_width(iv["tpot_ms"]["p50"], 10.0) for n, iv in (("small", small), ("big", big))}
+    assert hw["big"] < hw["small"] / 2, hw  # ~1/sqrt(n): 25x the requests, a fifth of the width
+    # a failed request is left out; no request within the SLO gives goodput [0, 0]
+    raw = _detailed(20, 0.05, 0.01, 32, 0.2)
+    raw["errors"][3] = "HTTP 500"
+    iv = intervals(raw, SLO(ttft_p99_ms=1.0))
+    assert iv["n"] == 19 and iv["ci95"]["goodput"] == [0.0, 0.0]
+    assert intervals({"completed": 5, "request_throughput": 1.0}) is None  # no per-request data, no interval
+
+
+def test_a_point_wider_than_the_precision_asks_for_requests_in_proportion_to_its_spread_within_the_cap():
+    from quantpipe.stages.benchmark.stats import prompts_for, widest_half_width
+
+    assert prompts_for(0.03, 32, 0.06, 512) == 128  # half-width ~ 1/sqrt(n): twice as wide, four times the requests
+    assert prompts_for(0.03, 32, 0.02, 512) == 32 and prompts_for(0.03, 32, None, 512) == 32
+    assert prompts_for(0.01, 32, 0.2, 512) == 512
+    row = {"tpot_ms": {"p50": 10.0, "p50_ci95": [9.0, 11.0]}, "e2el_ms": {"p50": 100.0, "p50_ci95": [98.0, 102.0]},
+           "ttft_ms": {"p50": 5.0, "p50_ci95": [1.0, 9.0]}, "output_throughput": 50.0, "ci95": {"output_throughput": [48.0, 53.0]}}
+    assert widest_half_width(row) == 0.1  # TPOT's ±10 %, not TTFT's ±80 % (queueing) nor throughput's ±5 %
+
+
 # --- slow: helpers ----------------------------------------------------------------------------
 
 
@@ -428,7 +472,8 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
         "--host", "127.0.0.1", "--port", str(server.port), "--model", "tiny", "--tokenizer", str(tiny.llama),
         "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "32", "--num-prompts", "48",
         "--max-concurrency", "4", "--ignore-eos", "--temperature", "0", "--seed", "0",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result", "--disable-tqdm",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99", "--save-result", "--save-detailed",
+        "--disable-tqdm",
     ]
     (tmp_path / "agree.py").write_text(AGREE)
     qp, direct = [], []
@@ -493,6 +538,27 @@ def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, 
     assert "bench-default-fixed-c2.log" in msg, msg
 
 
+@pytest.mark.slow
+def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_narrows(server, tiny, tmp_path):
+    """With `precision`, a first run of `num_prompts` is a pilot: wider than asked, the point runs again with the
+    requests its spread asks for (up to `max_prompts`), the interval narrows, and the pilot's result is kept beside it."""
+    recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 8, "num_prompts": 4}], concurrency=[2],
+                     precision=0.01, max_prompts=24)
+    cfg = {"port": server.port, "model": "tiny", "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama),
+           "out": str(tmp_path / "out"), "result": str(tmp_path / "rows.json")}
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "measure_server.py"), str(tmp_path / "cfg.json")],
+                   env=_env(tmp_path), timeout=600, check=True, stdout=subprocess.DEVNULL)
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    pilot = row["pilot"]
+    assert pilot["num_prompts"] == 4 and pilot["half_width"] > 0.01, row
+    assert row["num_prompts"] == row["completed"] == row["ci_requests"] == 24  # ±1 % from 4 requests asks for more than the cap
+    assert row["half_width"] < pilot["half_width"], (row["half_width"], pilot)
+    assert json.loads((tmp_path / "out" / pilot["raw"]).read_text())["completed"] == 4
+    assert json.loads((tmp_path / "out" / row["raw"]).read_text())["completed"] == 24
+    assert (tmp_path / "out" / "logs" / "bench-default-fixed-c2-pilot.log").is_file()
+
+
 # --- slow: the stage --------------------------------------------------------------------------
 
 
@@ -523,6 +589,12 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
             assert set(r[k]) == {"mean", "p50", "p90", "p99"} and 0 < r[k]["p50"] <= r[k]["p90"] <= r[k]["p99"], (k, r[k])
         assert r["goodput"] is not None and r["slo_met"] is True
         assert (tmp_path / "out" / r["raw"]).is_file()
+        # 95% intervals from the run's own requests, around vLLM's figures
+        assert r["ci_requests"] == 8 and set(r["ci95"]) == {"request_throughput", "output_throughput", "goodput"}, r
+        for k in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            assert r[k]["p50_ci95"][0] <= r[k]["p50"] <= r[k]["p50_ci95"][1], (k, r[k])
+        for k in ("request_throughput", "output_throughput", "goodput"):
+            assert r["ci95"][k][0] <= r[k] <= r["ci95"][k][1], (k, r[k], r["ci95"][k])
     fixed = [r for r in rows if r["workload"] == "fixed"]
     assert all(r["input_tokens_mean"] == 32 and r["output_tokens_mean"] == 16 for r in fixed)
     val = next(w for w in m["workloads"] if w["name"] == "val")["data"]

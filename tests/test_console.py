@@ -126,7 +126,7 @@ def test_evaluate_line_names_the_tasks_and_lm_evals_progress(tmp_path):
 SUMMARY = {"rows": [{"artifact": "baseline", "baseline": True, "size_bytes": 10 * 2**20, "recovery": 1.0, "recovery_ci": None, "kl_mean": None,
                      "goodput": 55.5, "best": {"concurrency": 4}, "servable": True, "gate": "—", "failed_stages": []},
                     {"artifact": "int8", "baseline": False, "size_bytes": 6 * 2**20, "recovery": 1.0, "recovery_ci": [0.978, 1.031],
-                     "kl_mean": 0.00056, "goodput": 30.2, "best": {"concurrency": 4}, "servable": True, "gate": "PASS", "failed_stages": []},
+                     "kl_mean": 0.00056, "goodput": 30.2, "goodput_ci": [28.1, 32.4], "best": {"concurrency": 4}, "servable": True, "gate": "PASS", "failed_stages": []},
                     {"artifact": "awq", "baseline": False, "size_bytes": 4 * 2**20, "recovery": 0.93, "recovery_ci": [0.9, 0.96],
                      "kl_mean": 0.0102, "goodput": None, "best": None, "servable": False, "gate": "FAIL", "failed_stages": []}],
            "recommendation": {"choice": "int8", "sentence": "Recommended: `int8`: it passes every gate and serves the most requests within the SLO."}}
@@ -139,7 +139,7 @@ def test_final_summary_plain_and_on_a_terminal(tmp_path):
     final_summary(Console(file=plain, width=120), SUMMARY, tmp_path / "report.html", plain=True)
     lines = plain.getvalue().splitlines()
     assert lines[0].split() == " ".join(HEADERS).split() and "\x1b" not in plain.getvalue()
-    assert lines[2].split() == ["int8", "★", "6.0", "MiB", "1.000", "[0.978,", "1.031]", "0.00056", "30.2", "req/s", "(c=4)", "PASS"]
+    assert lines[2].split() == ["int8", "★", "6.0", "MiB", "1.000", "[0.978,", "1.031]", "0.00056", "30.2", "[28.1,", "32.4]", "req/s", "(c=4)", "PASS"]
     assert lines[3].split() == ["awq", "4.0", "MiB", "0.930", "[0.900,", "0.960]", "0.01", "not", "servable", "here", "FAIL"]
     assert lines[-2] == "Recommended: int8: it passes every gate and serves the most requests within the SLO."
     assert lines[-1] == f"report: {tmp_path / 'report.html'}"

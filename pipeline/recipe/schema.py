@@ -223,6 +223,11 @@ class Benchmark(Strict):
     slo: SLO = SLO()
     offline: bool = Field(True, description="Also measure offline batch-1 latency and throughput.")
     lora: bool = Field(True, description="With adapters: also serve base + adapter at request time.")
+    precision: float | None = Field(None, gt=0, lt=1, description=(
+        "Target 95% half-width of each point's median TPOT, median e2e latency and output throughput (0.03 = ±3 %). "
+        "A point whose run of `num_prompts` requests is wider runs again with as many requests as its spread asks, "
+        "up to `max_prompts`. Unset: `num_prompts` requests per point."))
+    max_prompts: int = Field(512, ge=1, le=100_000, description="With `precision`: the most requests one point runs.")
     seed: int = 0
 
     @field_validator("concurrency")

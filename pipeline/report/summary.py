@@ -74,8 +74,11 @@ def summarize(record: dict) -> dict:
             "speed_source": "offline" if _num(offline.get("latency_s_batch1")) is not None else ("served" if serve else None),
             "variant": variant,
             "serve": {str(c): {"ttft_p99_ms": _pct(r.get("ttft_ms"), "p99"), "tpot_p99_ms": _pct(r.get("tpot_ms"), "p99"),
+                                "tpot_p50_ms": _pct(r.get("tpot_ms"), "p50"), "tpot_p50_ci": _pair(_d(r.get("tpot_ms")).get("p50_ci95")),
                                 "output_throughput": _num(r.get("output_throughput")), "request_throughput": _num(r.get("request_throughput")),
-                                "goodput": _num(r.get("goodput"))} for c, r in sorted(serve.items())},
+                                "output_throughput_ci": _pair(_d(r.get("ci95")).get("output_throughput")),
+                                "goodput": _num(r.get("goodput")), "goodput_ci": _pair(_d(r.get("ci95")).get("goodput"))}
+                      for c, r in sorted(serve.items())},
             "goodput": _num(best.get("goodput")) if _num(best.get("goodput")) is not None else (max(goodputs) if goodputs else None),
             "goodput_ci": _best_interval(bench, best, "goodput"),
             "best": best or None,

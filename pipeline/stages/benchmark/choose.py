@@ -1,6 +1,6 @@
 """Choosing from the measured rows: the best (variant, concurrency) within the SLO, and LoRA served vs merged.
 
-    best = pick_best(rows, inp.benchmark)          # {variant, concurrency, goodput, reason}
+    best = pick_best(rows, inp.benchmark)          # {variant, concurrency, goodput, goodput_ci95, reason}
     ratios = compare_lora(lora_rows, merged_rows)  # lora / merged, per workload x concurrency
 """
 
@@ -22,6 +22,7 @@ def pick_best(rows: list[dict], bench: Benchmark) -> dict:
     if not bounds:
         r = max(cands, key=lambda r: (r["request_throughput"] or 0))
         return {"variant": r["variant"], "concurrency": r["concurrency"], "goodput": r["request_throughput"],
+                "goodput_ci95": (r.get("ci95") or {}).get("request_throughput"),
                 "reason": f"no SLO set: the most requests/s on workload {wl!r} ({r['request_throughput']:.3g} req/s)"}
     ok = [r for r in cands if r.get("slo_met")]
     if not ok:
@@ -31,6 +32,7 @@ def pick_best(rows: list[dict], bench: Benchmark) -> dict:
                           f"{(near.get('ttft_ms') or {}).get('p99') or float('nan'):.1f} ms ({near['variant']}, concurrency {near['concurrency']})"}
     r = max(ok, key=lambda r: (r.get("goodput") or 0, -r["concurrency"]))
     return {"variant": r["variant"], "concurrency": r["concurrency"], "goodput": r.get("goodput"),
+            "goodput_ci95": (r.get("ci95") or {}).get("goodput"),
             "reason": f"meets the SLO ({bounds}) on workload {wl!r} with the most goodput: {r.get('goodput') or 0:.3g} req/s "
                       f"at concurrency {r['concurrency']} ({len(ok)} of {len(cands)} variant x concurrency points meet it)"}
 

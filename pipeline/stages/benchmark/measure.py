@@ -20,6 +20,7 @@ from ...common.vllm_support import engine_flags
 from ...recipe import SLO, Benchmark, Workload
 from ...server import Server, ServerDied, _set_pdeathsig
 from .. import StageError
+from .stats import intervals, prompts_for, widest_half_width
 from .workloads import dataset_args
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def bench_serve_args(srv: Server, w: Workload, data: dict | None, concurrency: i
         "--ignore-eos", "--temperature", "0", "--seed", str(seed),
         "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
         *goodput,
-        "--save-result", "--result-dir", str(result_dir), "--result-filename", filename, "--disable-tqdm",
+        "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", filename, "--disable-tqdm",
     ]
     if lora_names:
         args += ["--lora-modules", *lora_names, "--lora-assignment", "round-robin"]
@@ -99,8 +100,9 @@ def require_completed(raw: dict, what: str, log_path: Path) -> None:
                      + (f" ({errors[-1][:300]})" if errors else "") + f"; the requests' errors are in {log_path}")
 
 
-def row_from_vllm(raw: dict) -> dict:
-    """vLLM's result JSON -> quantpipe's result row (latencies in ms, p50/p90/p99)."""
+def row_from_vllm(raw: dict, slo: SLO | None = None) -> dict:
+    """vLLM's result JSON -> quantpipe's result row (latencies in ms, p50/p90/p99), with the 95% intervals of
+    `stats.intervals` where the result carries its requests (`p50_ci95`/`p99_ci95` per latency, `ci95` per rate)."""
     row = {
         "completed": raw.get("completed"), "failed": raw.get("failed"), "duration_s": raw.get("duration"),
         "request_throughput": raw.get("request_throughput"), "output_throughput": raw.get("output_throughput"),
@@ -108,6 +110,11 @@ def row_from_vllm(raw: dict) -> dict:
     }
     for m in METRICS:
         row[f"{m}_ms"] = {"mean": raw.get(f"mean_{m}_ms"), **{f"p{p}": raw.get(f"p{p}_{m}_ms") for p in PERCENTILES}}
+    iv = intervals(raw, slo)
+    if iv:
+        for m in ("ttft", "tpot", "e2el"):
+            row[f"{m}_ms"] |= {f"{p}_ci95": ci for p, ci in iv.get(f"{m}_ms", {}).items()}
+        row["ci95"], row["ci_requests"], row["ci_method"] = iv["ci95"], iv["n"], iv["method"]
     done = raw.get("completed") or 0
     row["input_tokens_mean"] = raw.get("total_input_tokens", 0) / done if done else None
     row["output_tokens_mean"] = raw.get("total_output_tokens", 0) / done if done else None
@@ -207,32 +214,18 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
             can_reset = reset_prefix_cache(srv) and can_reset
             # Without a cache reset, a different seed keeps runs from reusing each other's prompts.
             seed = bench.seed if can_reset else bench.seed + 1000 * wi + ci
-            raw_dir = out / "raw" / variant
-            fname = f"{w.name}-c{c}.json"
-            args = bench_serve_args(srv, w, data.get(w.name), c, tokenizer, seed, raw_dir, fname, goodput, lora_names)
-            before = _counters(srv.metrics())
-            log_at = len(srv.log_text())
-            log.info("benchmark %s: workload %s, concurrency %d", variant, w.name, c)
-            bench_log = out / "logs" / f"bench-{variant}-{w.name}-c{c}.log"
-            vllm_bench_serve(args, bench_log)
-            time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
-            srv.check_alive()
-            stats = engine_stats(srv.log_text()[log_at:])
-            after_m = srv.metrics()
-            after = _counters(after_m)
-            raw = json.loads((raw_dir / fname).read_text())
-            require_completed(raw, f"workload {w.name!r} at concurrency {c} (variant {variant!r})", bench_log)
-            row = {"variant": variant, "workload": w.name, "kind": w.kind, "concurrency": c, "num_prompts": w.num_prompts, **row_from_vllm(raw)}
-            row["goodput"] = raw.get("request_goodput") if goodput else None
-            row["slo_met"] = slo_met(row, bench.slo)
-            dq = after["queries"] - before["queries"]
-            row["prefix_cache_hit_rate"] = round((after["hits"] - before["hits"]) / dq, 4) if dq > 0 else None
-            row["preemptions"] = int(after["preemptions"] - before["preemptions"])
-            row |= stats
-            row["raw"] = str((raw_dir / fname).relative_to(out))
+            row = _run_point(srv, bench, variant, w, c, seed, data, tokenizer, out, goodput, lora_names)
+            n = prompts_for(bench.precision, w.num_prompts, row["half_width"], bench.max_prompts) if bench.precision else w.num_prompts
+            if n > w.num_prompts:  # the first run was a pilot: run the point again with as many requests as its spread asks
+                log.info("benchmark %s: workload %s, concurrency %d: ±%.1f%% from %d requests, %d for ±%.1f%%", variant, w.name, c,
+                         100 * row["half_width"], w.num_prompts, n, 100 * bench.precision)
+                pilot = {"num_prompts": w.num_prompts, "half_width": row["half_width"], "raw": _set_aside(out, row["raw"])}
+                can_reset = reset_prefix_cache(srv) and can_reset
+                row = _run_point(srv, bench, variant, w.model_copy(update={"num_prompts": n}), c, seed, data, tokenizer, out, goodput,
+                                 lora_names) | {"pilot": pilot}
             rows.append(row)
-            if stats["kv_cache_usage_peak"] is not None:
-                peak_usage = max(peak_usage or 0.0, stats["kv_cache_usage_peak"])
+            if row["kv_cache_usage_peak"] is not None:
+                peak_usage = max(peak_usage or 0.0, row["kv_cache_usage_peak"])
     last = srv.metrics()
     t0, t1 = _counters(first), _counters(last)
     dq = t1["queries"] - t0["queries"]
@@ -245,6 +238,46 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
         "prefix_cache_reset": can_reset,
     }
     return rows, totals
+
+
+def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int, seed: int, data: dict, tokenizer: str, out: Path,
+               goodput: list[str], lora_names: list[str] | None) -> dict:
+    """One `vllm bench serve` run of workload `w` at concurrency `c`: its result row, with the engine's stats around it."""
+    raw_dir = out / "raw" / variant
+    fname = f"{w.name}-c{c}.json"
+    args = bench_serve_args(srv, w, data.get(w.name), c, tokenizer, seed, raw_dir, fname, goodput, lora_names)
+    before = _counters(srv.metrics())
+    log_at = len(srv.log_text())
+    log.info("benchmark %s: workload %s, concurrency %d, %d requests", variant, w.name, c, w.num_prompts)
+    bench_log = out / "logs" / f"bench-{variant}-{w.name}-c{c}.log"
+    vllm_bench_serve(args, bench_log)
+    time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
+    srv.check_alive()
+    stats = engine_stats(srv.log_text()[log_at:])
+    after = _counters(srv.metrics())
+    raw = json.loads((raw_dir / fname).read_text())
+    require_completed(raw, f"workload {w.name!r} at concurrency {c} (variant {variant!r})", bench_log)
+    row = {"variant": variant, "workload": w.name, "kind": w.kind, "concurrency": c, "num_prompts": w.num_prompts,
+           **row_from_vllm(raw, bench.slo if goodput else None)}
+    row["goodput"] = raw.get("request_goodput") if goodput else None
+    row["slo_met"] = slo_met(row, bench.slo)
+    row["half_width"] = widest_half_width(row)
+    dq = after["queries"] - before["queries"]
+    row["prefix_cache_hit_rate"] = round((after["hits"] - before["hits"]) / dq, 4) if dq > 0 else None
+    row["preemptions"] = int(after["preemptions"] - before["preemptions"])
+    row |= stats
+    row["raw"] = str((raw_dir / fname).relative_to(out))
+    return row
+
+
+def _set_aside(out: Path, raw: str) -> str:
+    """Keep a pilot run's result and log beside the final run's (`*-pilot.json`, `*-pilot.log`); the pilot's result path."""
+    res = out / raw
+    log_path = out / "logs" / f"bench-{res.parent.name}-{res.stem}.log"
+    if log_path.exists():
+        log_path.rename(log_path.with_name(log_path.stem + "-pilot.log"))
+    res.rename(res.with_name(res.stem + "-pilot.json"))
+    return str(res.with_name(res.stem + "-pilot.json").relative_to(out))
 
 
 def _kv_tokens(m: dict, log_text: str) -> int | None:
