@@ -418,6 +418,24 @@ def test_compare_latency_up_50_percent_is_a_regression(tmp_path):
     assert compare_runs(c, a, None)["regression"] is False
 
 
+def test_compare_judges_a_served_figure_by_its_intervals_where_both_runs_record_them(tmp_path):
+    def tpot(scale, half):  # every point's TPOT p50 scaled, with a 95% interval of ±`half` around it
+        def tweak(r):
+            for res in r["stages"]["benchmark:fp8"]["metrics"]["results"]:
+                res["tpot_ms"]["p50"] *= scale
+                res["tpot_ms"]["p50_ci95"] = [res["tpot_ms"]["p50"] * (1 - half), res["tpot_ms"]["p50"] * (1 + half)]
+        return tweak
+
+    a = save_run(tmp_path, make_record("r1", "2026-11-30T06:00:00Z", tweak=tpot(1.0, 0.02)))
+    wide = save_run(tmp_path, make_record("r2", "2026-12-01T06:00:00Z", tweak=tpot(1.2, 0.15)))  # +20 %, intervals overlap
+    tight = save_run(tmp_path, make_record("r3", "2026-12-02T06:00:00Z", tweak=tpot(1.2, 0.02)))  # +20 %, intervals apart
+    noisy = [x for x in compare_runs(wide, a, None)["artifacts"]["fp8"]["latency"] if x["figure"].startswith("TPOT p50")]
+    assert noisy and all(x["verdict"] == "within noise" and x["ci_a"] and x["ci_b"] for x in noisy), noisy
+    res = compare_runs(tight, a, None)
+    assert res["regression"] is True
+    assert any(f.startswith("fp8: TPOT p50 default/fixed c=4") and "95% intervals" in f for f in res["findings"]), res["findings"]
+
+
 def test_compare_gate_and_stage_failures_are_regressions(tmp_path):
     def broke(r):
         r["artifacts"]["fp8"].update(gate="FAIL", gate_failures=["kl_mean 0.3 > 0.01"])

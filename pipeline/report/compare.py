@@ -17,6 +17,7 @@ from .records import (
     _l,
     _metrics,
     _num,
+    _pair,
     _pct,
     _recovery_halfwidth,
     _s,
@@ -157,9 +158,11 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
     ba, bb = _metrics(a, f"benchmark:{name}"), _metrics(b, f"benchmark:{name}")
     figures = []
     oa, ob = _d(ba.get("offline")), _d(bb.get("offline"))
-    figures.append(("batch-1 latency", "s", _num(oa.get("latency_s_batch1")), _num(ob.get("latency_s_batch1")), True, 1000.0))
-    figures.append(("offline throughput", "tok/s", _num(oa.get("throughput_tok_s")), _num(ob.get("throughput_tok_s")), False, None))
-    figures.append(("goodput at the SLO", "req/s", _num(_d(ba.get("best")).get("goodput")), _num(_d(bb.get("best")).get("goodput")), False, None))
+    figures.append(("batch-1 latency", "s", _num(oa.get("latency_s_batch1")), _num(ob.get("latency_s_batch1")), True, 1000.0, None, None))
+    figures.append(("offline throughput", "tok/s", _num(oa.get("throughput_tok_s")), _num(ob.get("throughput_tok_s")), False, None, None, None))
+    ga, gb = _d(ba.get("best")), _d(bb.get("best"))
+    figures.append(("goodput at the SLO", "req/s", _num(ga.get("goodput")), _num(gb.get("goodput")), False, None,
+                    _pair(ga.get("goodput_ci95")), _pair(gb.get("goodput_ci95"))))
     res_b = {_result_key(r): r for r in _l(bb.get("results")) if isinstance(r, dict)}
     for r in _l(ba.get("results")):
         if not isinstance(r, dict):
@@ -169,11 +172,15 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
         if not rb:
             continue
         where = f"{k[0]}/{k[1]} c={k[2]}"
-        for label, get, unit, lower in (("TTFT p50", lambda x: _pct(x.get("ttft_ms"), "p50") if _pct(x.get("ttft_ms"), "p50") is not None else _pct(x.get("ttft_ms"), "mean"), "ms", True),
-                                        ("TPOT p50", lambda x: _pct(x.get("tpot_ms"), "p50") if _pct(x.get("tpot_ms"), "p50") is not None else _pct(x.get("tpot_ms"), "mean"), "ms", True),
-                                        ("output throughput", lambda x: _num(x.get("output_throughput")), "tok/s", False)):
-            figures.append((f"{label} {where}", unit, get(r), get(rb), lower, 1.0 if unit == "ms" else None))
-    for label, unit, va_, vb_, lower, to_ms in figures:
+        for label, get, ci, unit, lower in (
+                ("TTFT p50", lambda x: _pct(x.get("ttft_ms"), "p50") if _pct(x.get("ttft_ms"), "p50") is not None else _pct(x.get("ttft_ms"), "mean"),
+                 lambda x: _pair(_d(x.get("ttft_ms")).get("p50_ci95")), "ms", True),
+                ("TPOT p50", lambda x: _pct(x.get("tpot_ms"), "p50") if _pct(x.get("tpot_ms"), "p50") is not None else _pct(x.get("tpot_ms"), "mean"),
+                 lambda x: _pair(_d(x.get("tpot_ms")).get("p50_ci95")), "ms", True),
+                ("output throughput", lambda x: _num(x.get("output_throughput")), lambda x: _pair(_d(x.get("ci95")).get("output_throughput")),
+                 "tok/s", False)):
+            figures.append((f"{label} {where}", unit, get(r), get(rb), lower, 1.0 if unit == "ms" else None, ci(r), ci(rb)))
+    for label, unit, va_, vb_, lower, to_ms, ci_a, ci_b in figures:
         if va_ is None or vb_ is None or vb_ == 0:
             continue
         rel = va_ / vb_ - 1
@@ -181,11 +188,19 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
         better = rel < -thr if lower else rel > thr
         if to_ms is not None and abs(va_ - vb_) * to_ms < MIN_ABS_MS:
             worse = better = False
+        if ci_a and ci_b and not (ci_a[1] < ci_b[0] or ci_b[1] < ci_a[0]):  # both measured with intervals, and they overlap
+            worse = better = False
         verdict = "not judged (different hardware)" if not same_hw else ("regression" if worse else "improved" if better else "within noise")
-        out["latency"].append({"figure": label, "unit": unit, "b": vb_, "a": va_, "relative": rel, "lower_is_better": lower, "verdict": verdict})
+        out["latency"].append({"figure": label, "unit": unit, "b": vb_, "a": va_, "relative": rel, "lower_is_better": lower, "verdict": verdict,
+                               "ci_b": ci_b, "ci_a": ci_a})
         if verdict == "regression":
-            out["regressions"].append(f"{label} {fmt(vb_)} -> {fmt(va_)} {unit} ({rel:+.1%}, threshold {thr:.0%})")
+            out["regressions"].append(f"{label} {fmt(vb_)} -> {fmt(va_)} {unit} ({rel:+.1%}, threshold {thr:.0%}"
+                                      + (f"; 95% intervals {_span(ci_b)} -> {_span(ci_a)}" if ci_a and ci_b else "") + ")")
     return out
+
+
+def _span(ci: list[float]) -> str:
+    return f"[{fmt(ci[0])}, {fmt(ci[1])}]"
 
 
 def _result_key(r: dict) -> tuple:
@@ -197,7 +212,8 @@ def _compare_text(r: dict) -> str:
     lines = [f"run A (candidate): {a['run_id']} [{a['status']}]  {a['dir']}",
              f"run B (reference): {b['run_id']} [{b['status']}]  {b['dir']}",
              f"recipe: {'same' if r['same_recipe'] else 'CHANGED'}; hardware: {'same' if r['same_hardware'] else 'DIFFERENT (latency not judged)'}; "
-             f"noise: accuracy within the wider 95% CI, latency within {r['thresholds']['latency_relative']:.0%} (or {MIN_ABS_MS:g} ms)"]
+             f"noise: accuracy within the wider 95% CI, latency within {r['thresholds']['latency_relative']:.0%} (or {MIN_ABS_MS:g} ms) "
+             "or within overlapping 95% intervals"]
     for name, c in r["artifacts"].items():
         head = f"\n[{name}]"
         if c.get("gate") and any(c["gate"]):

@@ -47,6 +47,11 @@ def _pct(d, key):
     return _num(_d(d).get(key)) if isinstance(d, dict) else None
 
 
+def _pair(ci) -> list[float] | None:
+    """A recorded [lo, hi] interval as floats; None for anything else."""
+    return [float(ci[0]), float(ci[1])] if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(x) is not None for x in ci) else None
+
+
 def artifact_names(record: dict) -> list[str]:
     names = [_s(a.get("name")) for a in _l(_d(record.get("recipe")).get("artifacts")) if isinstance(a, dict)]
     names += [n for n in _d(record.get("artifacts")) if n not in names]

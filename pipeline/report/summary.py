@@ -10,6 +10,7 @@ from .records import (
     _l,
     _metrics,
     _num,
+    _pair,
     _pct,
     _recovery_halfwidth,
     _s,
@@ -162,10 +163,6 @@ def _best_point(bench: dict, best: dict) -> dict | None:
             "ttft_p99_ms": _pct(r.get("ttft_ms"), "p99"), "tpot_p99_ms": _pct(r.get("tpot_ms"), "p99"),
             "ttft_p99_ci": _pair(_d(r.get("ttft_ms")).get("p99_ci95")), "tpot_p99_ci": _pair(_d(r.get("tpot_ms")).get("p99_ci95")),
             "output_throughput": _num(r.get("output_throughput"))}
-
-
-def _pair(ci) -> list[float] | None:
-    return [float(ci[0]), float(ci[1])] if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(x) is not None for x in ci) else None
 
 
 def _first_line(text, limit: int = 200) -> str | None:
