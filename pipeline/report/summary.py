@@ -86,6 +86,7 @@ def summarize(record: dict) -> dict:
             "best_point": _best_point(bench, best),
             "serving": serving_info(_d(_d(record.get("stages")).get(f"benchmark:{name}")), variant),
             "server_start_s": _num(bench.get("server_start_s")),
+            "startup": _d(bench.get("startup")) or None,
             "benchmarked": bool(bench), "servable": bench.get("servable") if bench else None,
             "bench_note": bench.get("reason") or bench.get("status_note") if bench else None,
             "stages": stage_status,

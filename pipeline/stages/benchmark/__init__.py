@@ -23,6 +23,7 @@ out/results.json (the returned metrics are the same document):
     engine, engine_notes    effective engine arguments of the default variant (the recipe's, plus dtype,
                             kv_cache_memory_bytes on CPU...) and sentences on what quantpipe chose and why
     server_start_s          seconds from `vllm serve` to a healthy /health (default variant)
+    startup                 that start phase by phase from the server's log (stages/benchmark/startup.py)
     served_path             the stable link the artifact was served through (quantpipe.serving_links)
     results                 one row per variant x workload x concurrency: variant, workload, kind,
         concurrency, num_prompts, completed, failed, duration_s, request_throughput (req/s),
@@ -92,7 +93,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
     plat = probe_platform()
     result: dict = {
         "artifact": inp.artifact, "method": inp.method, "servable": True, "reason": None, "status_note": None,
-        "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None,
+        "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None, "startup": None,
         "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "lora": None, "workloads": [],
         "versions": _versions(), "hardware": hardware(),
     }
@@ -138,6 +139,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
             result["results"] += info["rows"]
             if vname == "default":
                 result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
+                result["startup"] = info.get("startup")
                 if not info["servable"]:
                     result.update(servable=False, reason=info["reason"], status_note=info["reason"])
                     return finish()

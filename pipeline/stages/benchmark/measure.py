@@ -20,6 +20,7 @@ from ...common.vllm_support import engine_flags
 from ...recipe import SLO, Benchmark, Workload
 from ...server import Server, ServerDied, _set_pdeathsig
 from .. import StageError
+from .startup import startup_phases
 from .stats import intervals, prompts_for, widest_half_width
 from .workloads import dataset_args
 
@@ -323,6 +324,7 @@ def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served
     try:
         with srv:
             info["server_start_s"], info["port"] = srv.start_s, srv.port
+            info["startup"] = startup_phases(srv.log_text(), srv.start_s)
             log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
             warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
                     engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)

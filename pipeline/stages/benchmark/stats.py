@@ -14,6 +14,7 @@ drift between runs (the machine busier a minute later); `compare` keeps its run-
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
@@ -59,7 +60,9 @@ def intervals(raw: dict, slo=None, resamples: int = RESAMPLES, seed: int = SEED)
     idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
     res: dict = {"n": n, "resamples": resamples, "method": "percentile bootstrap over requests"}
     for m in (m for m in METRICS if not np.isnan(req[m]).all()):
-        draws = np.nanpercentile(req[m][idx], PERCENTILES, axis=1)
+        with warnings.catch_warnings():  # a resample of single-token requests only has no TPOT: it is left out
+            warnings.simplefilter("ignore", RuntimeWarning)
+            draws = np.nanpercentile(req[m][idx], PERCENTILES, axis=1)
         res[f"{m}_ms"] = {f"p{p}": _ci(d) for p, d in zip(PERCENTILES, draws)}
     lat, out = req["e2el"], req["out"]
     mean_lat = lat[idx].mean(axis=1)
@@ -102,7 +105,7 @@ def half_width(ci: list[float] | None, value) -> float | None:
 
 
 def _ci(draws: np.ndarray) -> list[float]:
-    lo, hi = np.percentile(draws, (2.5, 97.5))
+    lo, hi = np.nanpercentile(draws, (2.5, 97.5))
     return [round(float(lo), 4), round(float(hi), 4)]
 
 
