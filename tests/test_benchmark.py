@@ -539,9 +539,11 @@ def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, 
 
 
 @pytest.mark.slow
-def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_narrows(server, tiny, tmp_path):
+def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_keeps_the_pilot(server, tiny, tmp_path):
     """With `precision`, a first run of `num_prompts` is a pilot: wider than asked, the point runs again with the
-    requests its spread asks for (up to `max_prompts`), the interval narrows, and the pilot's result is kept beside it."""
+    requests its spread asks for (up to `max_prompts`), and the pilot's result is kept beside it. (Whether the second
+    interval is narrower is left out: a bootstrap over a 4-request pilot understates its spread, so it can come out
+    narrower than the interval of the 24 requests.)"""
     recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 8, "num_prompts": 4}], concurrency=[2],
                      precision=0.01, max_prompts=24)
     cfg = {"port": server.port, "model": "tiny", "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama),
@@ -553,7 +555,7 @@ def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_narr
     pilot = row["pilot"]
     assert pilot["num_prompts"] == 4 and pilot["half_width"] > 0.01, row
     assert row["num_prompts"] == row["completed"] == row["ci_requests"] == 24  # ±1 % from 4 requests asks for more than the cap
-    assert row["half_width"] < pilot["half_width"], (row["half_width"], pilot)
+    assert row["half_width"] > 0, row
     assert json.loads((tmp_path / "out" / pilot["raw"]).read_text())["completed"] == 4
     assert json.loads((tmp_path / "out" / row["raw"]).read_text())["completed"] == 24
     assert (tmp_path / "out" / "logs" / "bench-default-fixed-c2-pilot.log").is_file()
