@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -110,7 +111,8 @@ class ContentHasher:
         if not self.dirty:
             return
         self.memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.memo_path.with_suffix(f".tmp{os.getpid()}")
+        # per process and thread: a matrix runs its recipes' runners side by side in one process
+        tmp = self.memo_path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps(self.memo))
         os.replace(tmp, self.memo_path)
         self.dirty = False
