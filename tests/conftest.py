@@ -58,7 +58,12 @@ def cuda_available() -> bool:
 requires_gpu = pytest.mark.gpu
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks added here count there
 def pytest_collection_modifyitems(config, items):
+    # A `long` test, and one that needs the tiny models, is slow too: `-m "not slow"` is the quick suite.
+    for it in items:
+        if it.get_closest_marker("long") or "tiny" in getattr(it, "fixturenames", ()):
+            it.add_marker(pytest.mark.slow)
     gpu_items = [it for it in items if it.get_closest_marker("gpu")]
     if gpu_items and not cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU host)")

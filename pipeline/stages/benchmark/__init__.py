@@ -62,6 +62,7 @@ from ...serving_links import stable_path
 from .. import StageError
 from ..contract import BenchmarkInput, Upstream
 from .choose import compare_lora, pick_best
+from .client import BenchClient
 from .engine import effective_engine, lora_setup
 from .measure import serve_variant
 from .offline import offline
@@ -128,40 +129,45 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
         lora_flags, lora_names, lora_notes = lora_setup(inp.adapters)
 
     failed_variants = []
+    client = BenchClient(out / "logs" / "bench-client.log")  # every `vllm bench serve` run of the stage, one import
     # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
-    with stable_path(src) as served:
-        result["served_path"] = str(served)
-        for vname, e in variants:
-            engine, notes = effective_engine(e, inp, src, plat, need)
-            info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab)
-            info["engine_notes"] = notes
-            result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
-            result["results"] += info["rows"]
-            if vname == "default":
-                result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
-                result["startup"] = info.get("startup")
-                if not info["servable"]:
-                    result.update(servable=False, reason=info["reason"], status_note=info["reason"])
-                    return finish()
-                result["memory"] = info["memory"]
-                if bench.offline:
-                    result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
-            elif not info["servable"]:
-                failed_variants.append(vname)
+    try:
+        with stable_path(src) as served:
+            result["served_path"] = str(served)
+            for vname, e in variants:
+                engine, notes = effective_engine(e, inp, src, plat, need)
+                info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
+                                     client=client)
+                info["engine_notes"] = notes
+                result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
+                result["results"] += info["rows"]
+                if vname == "default":
+                    result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
+                    result["startup"] = info.get("startup")
+                    if not info["servable"]:
+                        result.update(servable=False, reason=info["reason"], status_note=info["reason"])
+                        return finish()
+                    result["memory"] = info["memory"]
+                    if bench.offline:
+                        result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
+                elif not info["servable"]:
+                    failed_variants.append(vname)
 
-    if lora_flags:
-        base_dir = Path(inp.base.model)
-        engine, notes = effective_engine(bench.engine, inp, base_dir, plat, need)
-        info = serve_variant("lora", base_dir, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
-                             extra_args=lora_flags, lora_names=lora_names)
-        merged_rows = [r for r in result["results"] if r["variant"] == "default"]
-        result["lora"] = {
-            "servable": info["servable"], "reason": info["reason"], "adapters": {n: a.path for n, a in zip(lora_names, inp.adapters)},
-            "engine": {**engine, "lora_flags": lora_flags}, "server_start_s": info.get("server_start_s"), "memory": info.get("memory"),
-            "port": info.get("port"),
-            "results": info["rows"], "comparison": compare_lora(info["rows"], merged_rows), "notes": lora_notes + notes,
-            "log": info["log"],
-        }
+        if lora_flags:
+            base_dir = Path(inp.base.model)
+            engine, notes = effective_engine(bench.engine, inp, base_dir, plat, need)
+            info = serve_variant("lora", base_dir, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
+                                 extra_args=lora_flags, lora_names=lora_names, client=client)
+            merged_rows = [r for r in result["results"] if r["variant"] == "default"]
+            result["lora"] = {
+                "servable": info["servable"], "reason": info["reason"], "adapters": {n: a.path for n, a in zip(lora_names, inp.adapters)},
+                "engine": {**engine, "lora_flags": lora_flags}, "server_start_s": info.get("server_start_s"), "memory": info.get("memory"),
+                "port": info.get("port"),
+                "results": info["rows"], "comparison": compare_lora(info["rows"], merged_rows), "notes": lora_notes + notes,
+                "log": info["log"],
+            }
+    finally:
+        client.close()
 
     result["best"] = pick_best(result["results"], bench)
     if failed_variants:

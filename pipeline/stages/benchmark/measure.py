@@ -20,6 +20,7 @@ from ...common.vllm_support import engine_flags
 from ...recipe import SLO, Benchmark, Workload
 from ...server import Server, ServerDied, _set_pdeathsig
 from .. import StageError
+from .client import BenchClient
 from .startup import startup_phases
 from .stats import intervals, prompts_for, widest_half_width
 from .workloads import dataset_args
@@ -75,17 +76,11 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             raise
 
 
-def vllm_bench_serve(args: list[str], log_path: Path) -> None:
-    """Run `vllm bench serve ARGS`: vLLM's own CLI, as a fresh process per run, output in `log_path`.
-
-    A fresh process costs 10-20 s of imports on 2 cores, but measures what the CLI measures. The cheaper
-    ways each read differently from it in paired runs on a 2-core CPU: vLLM's benchmark function inside
-    this stage's process 5-7 % lower throughput, one client process reused across runs 15-26 % higher,
-    and a client forked per run from one process that imported the CLI once 4-9 % lower.
-    `test_figures_agree_with_vllm_bench_serve_within_5_percent` holds this choice."""
-    import sys
-
-    rc = run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
+def vllm_bench_serve(client: BenchClient, args: list[str], log_path: Path) -> None:
+    """Run `vllm bench serve ARGS`, vLLM's own CLI, from `client` (client.py: a process forked per run from one that
+    imported the CLI once), output in `log_path`. `test_figures_agree_with_vllm_bench_serve_within_5_percent` holds
+    its figures against fresh `vllm bench serve` processes."""
+    rc = client.run(args, log_path)
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
         raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
@@ -203,8 +198,12 @@ def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, 
 
 
 def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
-            out: Path, lora_names: list[str] | None = None) -> tuple[list[dict], dict]:
-    """Every workload x concurrency against a running server; returns (rows, totals over the runs)."""
+            out: Path, lora_names: list[str] | None = None, client: BenchClient | None = None) -> tuple[list[dict], dict]:
+    """Every workload x concurrency against a running server; returns (rows, totals over the runs). `client` runs the
+    `vllm bench serve` runs (one of its own for this call when None)."""
+    if client is None:
+        with BenchClient(out / "logs" / f"bench-client-{variant}.log") as own:
+            return measure(srv, bench, variant, workloads, data, tokenizer, out, lora_names, own)
     goodput = slo_goodput_args(bench.slo)
     rows = []
     first = srv.metrics()
@@ -215,7 +214,7 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
             can_reset = reset_prefix_cache(srv) and can_reset
             # Without a cache reset, a different seed keeps runs from reusing each other's prompts.
             seed = bench.seed if can_reset else bench.seed + 1000 * wi + ci
-            row = _run_point(srv, bench, variant, w, c, seed, data, tokenizer, out, goodput, lora_names)
+            row = _run_point(srv, bench, variant, w, c, seed, data, tokenizer, out, goodput, lora_names, client)
             n = prompts_for(bench.precision, w.num_prompts, row["half_width"], bench.max_prompts) if bench.precision else w.num_prompts
             if n > w.num_prompts:  # the first run was a pilot: run the point again with as many requests as its spread asks
                 log.info("benchmark %s: workload %s, concurrency %d: ±%.1f%% from %d requests, %d for ±%.1f%%", variant, w.name, c,
@@ -223,7 +222,7 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
                 pilot = {"num_prompts": w.num_prompts, "half_width": row["half_width"], "raw": _set_aside(out, row["raw"])}
                 can_reset = reset_prefix_cache(srv) and can_reset
                 row = _run_point(srv, bench, variant, w.model_copy(update={"num_prompts": n}), c, seed, data, tokenizer, out, goodput,
-                                 lora_names) | {"pilot": pilot}
+                                 lora_names, client) | {"pilot": pilot}
             rows.append(row)
             if row["kv_cache_usage_peak"] is not None:
                 peak_usage = max(peak_usage or 0.0, row["kv_cache_usage_peak"])
@@ -242,7 +241,7 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
 
 
 def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int, seed: int, data: dict, tokenizer: str, out: Path,
-               goodput: list[str], lora_names: list[str] | None) -> dict:
+               goodput: list[str], lora_names: list[str] | None, client: BenchClient) -> dict:
     """One `vllm bench serve` run of workload `w` at concurrency `c`: its result row, with the engine's stats around it."""
     raw_dir = out / "raw" / variant
     fname = f"{w.name}-c{c}.json"
@@ -251,7 +250,7 @@ def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int,
     log_at = len(srv.log_text())
     log.info("benchmark %s: workload %s, concurrency %d, %d requests", variant, w.name, c, w.num_prompts)
     bench_log = out / "logs" / f"bench-{variant}-{w.name}-c{c}.log"
-    vllm_bench_serve(args, bench_log)
+    vllm_bench_serve(client, args, bench_log)
     time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
     srv.check_alive()
     stats = engine_stats(srv.log_text()[log_at:])
@@ -316,7 +315,8 @@ def _loaded_weights_gib(log_text: str) -> float | None:
 
 
 def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served_model_name: str, plat: dict, workloads, data,
-                  tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None) -> dict:
+                  tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None,
+                  client: BenchClient | None = None) -> dict:
     """Start a server with `engine`, warm it up, measure; never leaves it running."""
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=served_model_name,
@@ -328,7 +328,7 @@ def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served
             log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
             warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
                     engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
-            rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names)
+            rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names, client)
             info["rows"] = rows
             info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)

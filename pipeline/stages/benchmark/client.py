@@ -1,0 +1,131 @@
+"""`vllm bench serve` runs from one client process that imported vLLM's CLI once.
+
+A fresh `vllm bench serve` process spends 15-20 s importing vLLM on 2 cores before its first request, once per
+sweep point. The client process imports the CLI once; each run is then a child forked from it that calls the
+CLI's own `main()` with the run's arguments, its output going to the run's log. The child is the CLI from
+argument parsing on (same parser, same request loop, same result file), a process of its own as a fresh CLI
+is; only the imports are shared. tests/test_benchmark.py holds its figures against bare `vllm bench serve` runs.
+
+    with BenchClient(out / "logs" / "bench-client.log") as client:
+        client.run(["--host", "127.0.0.1", "--port", "8000", ...], out / "logs" / "bench-fixed-c4.log")  # exit code
+
+Run as a program (in the serve environment) it is the client itself: one JSON request per line on stdin
+({"args": [...], "log": path}), one {"rc": N} per line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CLI_MODULES = ("collect_env", "download_kernels", "launch", "openai", "preload", "run_batch", "serve", "snapshot")
+
+
+class BenchClient:
+    """The client process, started on the first run; `close()` (or leaving the `with` block) ends it."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = Path(log_path)
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> BenchClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> subprocess.Popen:
+        from ...server import _set_pdeathsig
+
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "a") as logf:
+            self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=logf, text=True, preexec_fn=_set_pdeathsig)
+        return self._proc
+
+    def run(self, args: list[str], log_path: Path) -> int:
+        """`vllm bench serve ARGS` with its output in `log_path`; its exit code. Ctrl-C or SIGTERM ends the run too."""
+        p = self._proc if self._proc and self._proc.poll() is None else self._start()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            p.stdin.write(json.dumps({"args": args, "log": str(log_path)}) + "\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+        except BaseException:
+            self.close()  # the client's children die with it (PR_SET_PDEATHSIG)
+            raise
+        if not line:
+            self.close()
+            raise RuntimeError(f"the vllm bench serve client exited (code {p.poll()}); its output is in {self.log_path}")
+        return int(json.loads(line)["rc"])
+
+    def close(self) -> None:
+        p, self._proc = self._proc, None
+        if p is None:
+            return
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        for f in (p.stdin, p.stdout):
+            f.close()
+
+
+def _serve_requests() -> None:
+    """The client's loop (see the module docstring)."""
+    import ctypes
+    import importlib
+    import signal
+    import traceback
+
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # whatever vLLM prints goes to the client's log, never into the replies
+    sys.argv = ["vllm", "bench", "serve"]  # what vLLM's CLI module looks at while it is imported
+    import vllm.entrypoints.cli.main as cli
+
+    try:
+        from vllm.entrypoints.cli.benchmark import main as bench_main
+
+        bench_main._import_bench_subcommand_modules()
+    except (ImportError, AttributeError):
+        pass  # a vLLM without it: `main()` then imports the subcommands in every run
+    for name in ("vllm.benchmarks.serve", *(f"vllm.entrypoints.cli.{m}" for m in CLI_MODULES)):
+        try:  # what `main()` imports on each call: imported here once, found in sys.modules by every child
+            importlib.import_module(name)
+        except ImportError:
+            pass
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the client
+                fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                print("$ vllm bench serve " + " ".join(req["args"]), flush=True)
+                sys.argv = ["vllm", "bench", "serve", *req["args"]]
+                cli.main()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        proto.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+        proto.flush()
+
+
+if __name__ == "__main__":
+    sys.path.pop(0)  # this file's folder: its modules (engine, stats, ...) must not shadow vLLM's imports
+    _serve_requests()
