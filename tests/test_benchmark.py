@@ -396,6 +396,60 @@ def test_server_listens_on_localhost_only(server):
     assert server.completion("hello", max_tokens=4)["usage"]["completion_tokens"] == 4
 
 
+def test_a_server_too_slow_for_its_first_request_is_reported_in_its_deadline_naming_the_kernel(tmp_path, monkeypatch):
+    """A server that takes longer than FIRST_REQUEST_S over the warm-up's first request (FP8 emulated through
+    torch._scaled_mm on a CPU took minutes a token) is given up on at the deadline, in words naming the kernel."""
+    import http.server
+    import threading
+
+    from quantpipe.recipe import Workload
+    from quantpipe.server import Server, ServerDied
+    from quantpipe.stages.benchmark import measure
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            time.sleep(3)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    log = tmp_path / "server.log"
+    log.write_text("(Worker pid=1) INFO [__init__.py:797] Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8\n")
+    monkeypatch.setattr(measure, "FIRST_REQUEST_S", 0.5)
+    srv = Server.connect(httpd.server_address[1], "m", log_path=log)
+    t0 = time.perf_counter()
+    with pytest.raises(ServerDied) as e:
+        measure.warm_up(srv, Workload(name="fixed", input_len=32, output_len=4), 4096, ["m"], 0)
+    httpd.shutdown()
+    assert time.perf_counter() - t0 < 3
+    assert e.value.reason.startswith("a first request of 32 prompt tokens and 4 output tokens took over 0.5 s, too slow to measure")
+    assert "ChannelWiseTorchFP8ScaledMMLinearKernel (CompressedTensorsW8A8Fp8)" in e.value.reason
+
+
+def test_the_goodput_search_bisects_from_the_sweep_to_within_10_percent():
+    from quantpipe.stages.benchmark.choose import highest_within_slo
+
+    for true_max, known, want, want_probes in (
+        (40, {1: True, 4: True}, 37, [64, 34, 49, 41, 37]),   # stops when the pass and the fail are within 10 %
+        (64, {1: True, 4: True}, 64, [64]),                   # the bound first: one probe when it holds there
+        (17, {1: True, 4: True, 16: True, 32: False}, 16, [24, 20, 18]),  # 16 and 18 are within 10 %
+        (1, {1: True, 4: False}, 1, [2]),
+        (0, {1: False}, None, []),                            # fails at 1: nothing to search
+    ):
+        got, probed = highest_within_slo(lambda c: c <= true_max, known, 64)
+        assert (got, probed) == (want, want_probes), (true_max, got, probed)
+
+
+def test_a_goodput_search_without_an_slo_is_refused():
+    with pytest.raises(ValueError, match="goodput_search looks for the highest load within the SLO"):
+        _recipe(Path("/tmp"), goodput_search=64)
+    assert _recipe(Path("/tmp"), goodput_search=64, slo={"tpot_p99_ms": 50}).benchmark.goodput_search == 64
+
+
 def _bench_agreement():
     """bench/bench_agreement.py as a module: its paired intervals and verdict."""
     import importlib.util
@@ -520,6 +574,7 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
                    {"name": "val", "kind": "validation", "output_len": 16, "num_prompts": 8},
                    {"name": "prefix", "kind": "shared_prefix", "prefix_len": 256, "input_len": 32, "output_len": 16, "num_prompts": 8}],
         concurrency=[1, 4], slo={"ttft_p99_ms": 5000, "tpot_p99_ms": 1000}, offline=False,  # offline: its own test
+        goodput_search=12,
     )
     t0 = time.perf_counter()
     m = run_stage(tmp_path, recipe, models.merged, "baseline", base_dir=models.base)
@@ -562,7 +617,17 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     served = Path(m["served_path"])
     assert served.is_symlink() and served.resolve() == models.merged.resolve()
     assert (tmp_path / "out" / "logs" / "server-default.log").read_text().splitlines()[0].split()[5] == str(served)
-    assert m["best"]["variant"] in ("default", "no-prefix-cache") and m["best"]["concurrency"] in (1, 4) and m["best"]["goodput"] > 0
+    # The goodput search starts above the sweep's passing points, at its bound: the SLO holds there too, so one probe.
+    gs = m["goodput_search"]
+    assert gs["workload"] == "fixed" and gs["from_sweep"] == [1, 4] and gs["probed"] == [12] and gs["concurrency"] == 12, gs
+    assert [(r["variant"], r["concurrency"], r["slo_met"], r["completed"]) for r in gs["rows"]] == [("search", 12, True, 8)]
+    assert (tmp_path / "out" / gs["rows"][0]["raw"]).is_file() and gs["goodput"] == gs["rows"][0]["goodput"] > 0
+    if gs["goodput"] > max(r["goodput"] for r in rows if r["workload"] == "fixed"):
+        assert m["best"] == {"variant": "default", "concurrency": 12, "goodput": gs["goodput"], "goodput_ci95": gs["goodput_ci95"],
+                             "search": True, "reason": m["best"]["reason"]} and "goodput search" in m["best"]["reason"]
+    else:
+        assert m["best"]["concurrency"] in (1, 4) and not m["best"].get("search")
+    assert m["best"]["goodput"] > 0
     assert m["offline"] is None
     lora = m["lora"]
     assert lora["servable"] is True and lora["adapters"] == {"adapter0": str(models.lora)}

@@ -8,6 +8,7 @@ vLLM (serve environment only); everything else is light.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from ..stages.contract import BenchmarkInput, PackageInput
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20  # vLLM's CPU worker needs an explicit KV-cache size: quantpipe's minimum
+# vLLM names the linear kernel it picked as it loads a model: "Selected CutlassFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8"
+LINEAR_KERNEL = re.compile(r"\b(?:Selected|Using) (\w*Kernel\w*) for ([\w.-]+(?: linear)?)")
 
 
 def probe_platform() -> dict:

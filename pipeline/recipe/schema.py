@@ -228,6 +228,9 @@ class Benchmark(Strict):
         "A point whose run of `num_prompts` requests is wider runs again with as many requests as its spread asks, "
         "up to `max_prompts`. Unset: `num_prompts` requests per point."))
     max_prompts: int = Field(512, ge=1, le=100_000, description="With `precision`: the most requests one point runs.")
+    goodput_search: int | None = Field(None, ge=1, le=4096, description=(
+        "Also search, on the first workload, for the highest concurrency up to this at which the SLO holds (bisection "
+        "from the sweep's points, to within 10 %): the artifact's goodput at the SLO is then the search's. Needs `slo`."))
     seed: int = 0
 
     @field_validator("concurrency")
@@ -239,6 +242,9 @@ class Benchmark(Strict):
 
     @model_validator(mode="after")
     def _unique_names(self):
+        if self.goodput_search and all(v is None for v in self.slo.model_dump().values()):
+            raise ValueError("goodput_search looks for the highest load within the SLO, and slo sets no bound: set slo "
+                             "(e.g. ttft_p99_ms: 500, tpot_p99_ms: 50) or remove goodput_search")
         # results are keyed by variant and workload name (runs/, report, compare)
         dup = _repeated(w.name for w in self.workloads)
         if dup:

@@ -196,7 +196,9 @@ def _sentence(c: dict, r: dict | None, figure: str, decided_by: str, slo: dict, 
     b = c.get("best") or {}
     where = f" at concurrency {b['concurrency']}" if figure == "goodput" and b.get("concurrency") is not None else ""
     where += f" with engine variant `{b['variant']}`" if figure == "goodput" and b.get("variant") and b["variant"] != "default" else ""
-    if figure == "goodput":  # vLLM's goodput at the sweep's best point: no search for the highest load meeting the SLO runs
+    if figure == "goodput" and b.get("search"):
+        where += " (the highest concurrency within the SLO, found by the goodput search)"
+    elif figure == "goodput":  # vLLM's goodput at the sweep's best point: no search for the highest load meeting the SLO ran
         where += " (the best of the measured concurrencies: no goodput search ran)"
     mine = _with_ci(c, figure) + (f" {unit}" if unit else "")
     band = "within the interval of" if (r is None or interval(c, figure) or interval(r, figure)) else "within 10% (the run-to-run noise) of"

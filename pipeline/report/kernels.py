@@ -15,9 +15,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..common.vllm_support import LINEAR_KERNEL as LINEAR
 from .records import _d, _s
 
-LINEAR = re.compile(r"\b(?:Selected|Using) (\w*Kernel\w*) for ([\w.-]+(?: linear)?)")
 ATTENTION = re.compile(r"\bUsing (\w+) attention backend|\bUsing (\w+) backend\.")
 FP8_MARLIN = re.compile(r"Weight-only FP8 compression will be used leveraging the Marlin kernel")
 # the kernel class's family, as vLLM's docs name them (longest prefix first)

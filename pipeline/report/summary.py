@@ -141,9 +141,11 @@ def _recovery_interval(c: dict, hw: float) -> list[float]:
 
 
 def _best_row(bench: dict, best: dict) -> dict:
-    """The result row of the point the benchmark found best (its variant and concurrency on the first workload)."""
-    rows = [r for r in _l(bench.get("results")) if isinstance(r, dict) and _int(r.get("concurrency")) == _int(best.get("concurrency"))
-            and _s(r.get("variant")) == _s(best.get("variant"))]
+    """The result row of the point the benchmark found best (its variant and concurrency on the first workload, or the
+    goodput search's probe there)."""
+    found = _l(_d(bench.get("goodput_search")).get("rows")) if best.get("search") else _l(bench.get("results"))
+    rows = [r for r in found if isinstance(r, dict) and _int(r.get("concurrency")) == _int(best.get("concurrency"))
+            and (best.get("search") or _s(r.get("variant")) == _s(best.get("variant")))]
     return rows[0] if rows and best.get("concurrency") is not None else {}
 
 

@@ -41,7 +41,11 @@ out/results.json (the returned metrics are the same document):
                             output_len, num_prompts, latency_wall_s, throughput_wall_s} or {"error": ...};
                             null when benchmark.offline is false or nothing is servable
     best                    {variant, concurrency, goodput, reason}: on the first workload, the point that
-                            meets the SLO with the most goodput (no SLO: the most req/s); variant null if none
+                            meets the SLO with the most goodput (no SLO: the most req/s); variant null if none;
+                            `search: true` when it is the goodput search's point
+    goodput_search          null, or with `benchmark.goodput_search`: {workload, bound, concurrency (the highest
+                            within the SLO, null if none), goodput, goodput_ci95, from_sweep, probed, rows (one
+                            per probe, as results' rows, variant "search")}
     lora                    null, or {servable, reason, adapters, engine, server_start_s, memory, port, log,
                             results (variant "lora"), comparison: [{workload, concurrency,
                             output_throughput_ratio, ttft_p50_ratio, tpot_p50_ratio}] (lora / merged), notes}
@@ -95,7 +99,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
     result: dict = {
         "artifact": inp.artifact, "method": inp.method, "servable": True, "reason": None, "status_note": None,
         "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None, "startup": None,
-        "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "lora": None, "workloads": [],
+        "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "goodput_search": None, "lora": None, "workloads": [],
         "versions": _versions(), "hardware": hardware(),
     }
 
@@ -139,11 +143,12 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
                 info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
                                      client=client)
                 info["engine_notes"] = notes
-                result["variants"][vname] = {k: v for k, v in info.items() if k != "rows"}
+                result["variants"][vname] = {k: v for k, v in info.items() if k not in ("rows", "goodput_search")}
                 result["results"] += info["rows"]
                 if vname == "default":
                     result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
                     result["startup"] = info.get("startup")
+                    result["goodput_search"] = info.get("goodput_search")
                     if not info["servable"]:
                         result.update(servable=False, reason=info["reason"], status_note=info["reason"])
                         return finish()
@@ -170,6 +175,12 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
         client.close()
 
     result["best"] = pick_best(result["results"], bench)
+    found = result.get("goodput_search")
+    if found and found["concurrency"] and (found["goodput"] or 0) > (result["best"].get("goodput") or 0):
+        result["best"] = {"variant": "default", "concurrency": found["concurrency"], "goodput": found["goodput"],
+                          "goodput_ci95": found["goodput_ci95"], "search": True,
+                          "reason": f"the goodput search's highest concurrency within the SLO on workload {found['workload']!r} "
+                                    f"(up to {found['bound']}, to within 10 %): {found['goodput'] or 0:.3g} req/s at concurrency {found['concurrency']}"}
     if failed_variants:
         result["status_note"] = "variants not servable here: " + ", ".join(failed_variants)
     return finish()

@@ -1,6 +1,7 @@
 """Choosing from the measured rows: the best (variant, concurrency) within the SLO, and LoRA served vs merged.
 
     best = pick_best(rows, inp.benchmark)          # {variant, concurrency, goodput, goodput_ci95, reason}
+    c, probed = highest_within_slo(probe, {1: True, 16: False}, 64)   # bisection between known points
     ratios = compare_lora(lora_rows, merged_rows)  # lora / merged, per workload x concurrency
 """
 
@@ -35,6 +36,24 @@ def pick_best(rows: list[dict], bench: Benchmark) -> dict:
             "goodput_ci95": (r.get("ci95") or {}).get("goodput"),
             "reason": f"meets the SLO ({bounds}) on workload {wl!r} with the most goodput: {r.get('goodput') or 0:.3g} req/s "
                       f"at concurrency {r['concurrency']} ({len(ok)} of {len(cands)} variant x concurrency points meet it)"}
+
+
+def highest_within_slo(probe, known: dict[int, bool], bound: int, resolution: float = 0.1) -> tuple[int | None, list[int]]:
+    """The highest concurrency in [1, bound] at which the SLO holds, taking it to hold below any concurrency where it
+    holds: bisection between the highest known pass and the lowest known fail (`known`: concurrency -> SLO met, from the
+    sweep), each step `probe(c) -> bool`, until the two are within `resolution` of each other. Returns (that
+    concurrency or None when it fails even at 1, the concurrencies probed)."""
+    lo = max((c for c, ok in known.items() if ok and c <= bound), default=0)
+    hi = min((c for c, ok in known.items() if not ok and c > lo), default=bound + 1)
+    probed = []
+    while hi - lo > max(1, math.ceil(lo * resolution)):
+        mid = bound if hi > bound else (lo + hi) // 2  # the bound itself first: when the SLO holds there, one probe
+        probed.append(mid)
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return (lo or None), probed
 
 
 def compare_lora(lora_rows: list[dict], merged_rows: list[dict]) -> list[dict]:

