@@ -671,6 +671,25 @@ def test_recommendation_goodput_beyond_the_noise_beats_fidelity():
     assert "at concurrency 16 (the best of the measured concurrencies: no goodput search ran), against" in rec["sentence"]
 
 
+def test_recommendation_from_a_goodput_search_says_so_and_shows_the_searched_point():
+    def searched(r):
+        _pass(r, "fp8", kl=2e-5, speed=1.35)
+        _pass(r, "w8a8", kl=5e-3, speed=2.0)
+        m = r["stages"]["benchmark:w8a8"]["metrics"]
+        row = dict(next(x for x in m["results"] if x["concurrency"] == m["best"]["concurrency"]), variant="search", concurrency=24)
+        row["ttft_ms"] = dict(row["ttft_ms"], p99=321.0)
+        m["goodput_search"] = {"workload": row["workload"], "bound": 32, "concurrency": 24, "goodput": m["best"]["goodput"] * 1.2,
+                               "goodput_ci95": None, "from_sweep": [1, 16], "probed": [32, 24], "rows": [row]}
+        m["best"] = {"variant": "default", "concurrency": 24, "goodput": m["best"]["goodput"] * 1.2, "search": True, "reason": "search"}
+
+    s = summarize(make_record(tweak=searched))
+    rec = s["recommendation"]
+    assert rec["choice"] == "w8a8"
+    assert "at concurrency 24 (the highest concurrency within the SLO, found by the goodput search), against" in rec["sentence"]
+    row = next(r for r in s["rows"] if r["artifact"] == "w8a8")
+    assert row["best_point"]["concurrency"] == 24 and row["best_point"]["ttft_p99_ms"] == 321.0
+
+
 def test_recommendation_uses_the_benchmarks_intervals_when_it_records_them():
     def with_ci(r, name, lo, hi):
         best = r["stages"][f"benchmark:{name}"]["metrics"]["best"]
