@@ -2,7 +2,7 @@
 """The benchmark stage's served figures against a bare `vllm bench serve`, paired round by round on one server.
 
 Each round runs the same workload twice against one `vllm serve`: (a) the benchmark stage's `measure` (its runs
-forked from one client process, stages/benchmark/client.py) and (b) a fresh `vllm bench serve` process with
+through stages/benchmark/client.py: forked from one client process on a CUDA host, or with `--fork yes`) and (b) a fresh `vllm bench serve` process with
 hand-written arguments, alternating which goes first so that drift hits both alike. Prints every round and, per
 figure (output throughput, mean TTFT, mean TPOT), quantpipe / direct - 1: the mean of the rounds' log-ratios with its
 95 % t-interval (over rounds, so it holds the run-to-run spread), and the verdict against ±5 %: agree (every
@@ -96,7 +96,7 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
     da = parsed(direct_args)
     res = {"args_diff": {k: [str(qa.get(k)), str(da.get(k))] for k in set(qa) | set(da)
                          if qa.get(k) != da.get(k) and k != "request_id_prefix"}, "quantpipe": [], "direct": []}
-    with BenchClient(out / "client.log") as client:
+    with BenchClient(out / "client.log", fork={"auto": None, "yes": True, "no": False}[a.fork]) as client:
         def quantpipe_run(i: int) -> None:
             rows, _ = measure(srv, bench, f"qp{i}", list(bench.workloads), {}, tokenizer, out, client=client)
             res["quantpipe"].append(rows[0])
@@ -128,6 +128,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--gpu", action="store_true", help="a CUDA host: no CPU KV-cache size, no --enforce-eager")
+    p.add_argument("--fork", choices=("auto", "yes", "no"), default="auto",
+                   help="quantpipe's runs forked from one client (yes), fresh processes (no), or as the stage does here (auto)")
     p.add_argument("--out", type=Path, help="where results and logs go (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="also write the rounds, intervals and verdict here")
     a = p.parse_args()

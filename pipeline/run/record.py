@@ -12,6 +12,21 @@ from .process import redact
 log = logging.getLogger(__name__)
 
 
+def new_run_dir(runs: Path, t_start: float) -> Path:
+    """runs/<UTC start>-<pid>, made (with its logs/); a run of the same process in the same second gets a suffix."""
+    import time
+
+    stem = time.strftime("%Y%m%d-%H%M%S", time.gmtime(t_start)) + f"-{os.getpid()}"
+    for n in range(1, 1000):
+        d = runs / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            (d / "logs").mkdir(parents=True)
+            return d
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{runs}: no free run directory for {stem}")
+
+
 def write_record(run_dir: Path, record: dict, secret_values: list[str]) -> None:
     tmp = run_dir / ".run.json.tmp"
     tmp.write_text(redact(json.dumps(record, indent=2, default=str), secret_values))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import re
 import shutil
@@ -33,7 +32,7 @@ from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, exit_reason, redact, secrets, tail
 from .publish import PublishError, publish
-from .record import close_dead_runs, index_run, write_record
+from .record import close_dead_runs, index_run, new_run_dir, write_record
 from .schedule import Grant, Scheduler, default_jobs, gpus
 
 log = logging.getLogger(__name__)
@@ -133,9 +132,8 @@ class Runner:
     def _run_locked(self, base_dir: str, steps: list[Step], force: set[str]) -> int:
         t_start = time.time()
         self.cache.sweep()
-        run_id = time.strftime("%Y%m%d-%H%M%S", time.gmtime(t_start)) + f"-{os.getpid()}"
-        run_dir = self.run_dir = self.out_dir / "runs" / run_id
-        (run_dir / "logs").mkdir(parents=True)
+        run_dir = self.run_dir = new_run_dir(self.out_dir / "runs", t_start)
+        run_id = run_dir.name
         handler = logging.FileHandler(run_dir / "run.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.addFilter(RedactFilter(self.secret_values))

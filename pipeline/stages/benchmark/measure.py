@@ -18,9 +18,9 @@ from pathlib import Path
 
 from ...common.vllm_support import LINEAR_KERNEL, engine_flags
 from ...recipe import SLO, Benchmark, Workload
-from ...server import Server, ServerDied, _set_pdeathsig
+from ...server import Server, ServerDied
 from .. import StageError
-from .client import BenchClient
+from .client import BenchClient, run_logged  # noqa: F401  (run_logged: also for offline.py)
 from .startup import startup_phases
 from .stats import intervals, prompts_for, widest_half_width
 from .workloads import dataset_args
@@ -59,30 +59,9 @@ def bench_serve_args(srv: Server, w: Workload, data: dict | None, concurrency: i
     return args
 
 
-def run_logged(cmd: list[str], log_path: Path) -> int:
-    """Run a vLLM CLI command with its output in `log_path`; on Ctrl-C or SIGTERM end it before re-raising."""
-    import subprocess
-
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as logf:
-        logf.write("$ " + " ".join(cmd) + "\n")
-        logf.flush()
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig)
-        try:
-            return p.wait()
-        except BaseException:
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-            raise
-
-
 def vllm_bench_serve(client: BenchClient, args: list[str], log_path: Path) -> None:
-    """Run `vllm bench serve ARGS`, vLLM's own CLI, from `client` (client.py: a process forked per run from one that
-    imported the CLI once), output in `log_path`. `test_figures_agree_with_vllm_bench_serve_within_5_percent` holds
-    its figures against fresh `vllm bench serve` processes."""
+    """Run `vllm bench serve ARGS`, vLLM's own CLI, through `client` (client.py: forked from one process that imported
+    the CLI once on a CUDA host, a fresh process elsewhere), output in `log_path`."""
     rc = client.run(args, log_path)
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
