@@ -133,7 +133,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
         lora_flags, lora_names, lora_notes = lora_setup(inp.adapters)
 
     failed_variants = []
-    client = BenchClient(out / "logs" / "bench-client.log")  # every `vllm bench serve` run of the stage, one import
+    client = BenchClient(out / "logs" / "bench-client.log")  # the stage's `vllm bench serve` runs (client.py: forked on CUDA hosts)
     # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
     try:
         with stable_path(src) as served:
