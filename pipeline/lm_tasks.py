@@ -17,6 +17,7 @@ full TaskManager is built only when that cannot decide. Unknown names come with 
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.metadata
 import importlib.util
 import logging
@@ -67,6 +68,29 @@ def light_index(files, load_yaml) -> dict[str, Entry]:
     return index
 
 
+@functools.lru_cache(maxsize=2)
+def _task_file_texts(root: str) -> dict[str, bytes]:
+    """{path: bytes} of lm-eval's built-in task YAMLs (read once per process: ~14,000 files)."""
+    texts: dict[str, bytes] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in IGNORE_DIRS)
+        for f in filenames:
+            if f.endswith(".yaml"):
+                p = os.path.join(dirpath, f)
+                try:
+                    with open(p, "rb") as fh:
+                        texts[p] = fh.read()
+                except OSError:
+                    continue
+    return texts
+
+
+@functools.lru_cache(maxsize=2)
+def _task_file_names(root: str) -> frozenset[str]:
+    """The task, group and tag names written out in lm-eval's built-in task YAMLs (for suggestions)."""
+    return frozenset(n for t in _task_file_texts(root).values() for n in NAME_LINE.findall(t.decode("utf-8", "replace")))
+
+
 def _lm_eval_yaml_loader():
     """lm-eval's task-YAML loader module, loaded from its file so that lm_eval.tasks (and datasets) is not imported."""
     spec = importlib.util.find_spec("lm_eval")  # a top-level package: found, not imported
@@ -87,7 +111,6 @@ class TaskNames:
         self.defaults = Path(spec.origin).parent / "tasks"
         self.include_path = include_path
         self.light = importlib.metadata.version("lm_eval") in MIRRORED
-        self._texts: dict[str, bytes] | None = None
         self._full = False
         if not self.light:
             self._full_index(include_defaults=False)
@@ -104,19 +127,7 @@ class TaskNames:
         self._full = include_defaults
 
     def _default_texts(self) -> dict[str, bytes]:
-        if self._texts is None:
-            self._texts = {}
-            for dirpath, dirnames, filenames in os.walk(self.defaults):
-                dirnames[:] = sorted(d for d in dirnames if d not in IGNORE_DIRS)
-                for f in filenames:
-                    if f.endswith(".yaml"):
-                        p = os.path.join(dirpath, f)
-                        try:
-                            with open(p, "rb") as fh:
-                                self._texts[p] = fh.read()
-                        except OSError:
-                            continue
-        return self._texts
+        return _task_file_texts(str(self.defaults))
 
     def known(self, name: str) -> bool:
         if name in self.index:
@@ -136,9 +147,7 @@ class TaskNames:
         return name in self.index
 
     def suggestions(self, name: str) -> list[str]:
-        names = set(self.index)
-        for t in self._default_texts().values():
-            names.update(NAME_LINE.findall(t.decode("utf-8", "replace")))
+        names = set(self.index) | _task_file_names(str(self.defaults))
         return difflib.get_close_matches(name, sorted(names), 3)
 
     def leaves(self, name: str, depth: int = 0) -> set[str] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from click.testing import CliRunner
@@ -17,7 +18,13 @@ from test_report import CHROMIUM, _chromium, _console_errors, _png_size, make_re
 
 from quantpipe.cli import main
 from quantpipe.history import write_history
-from quantpipe.report import write_report
+from quantpipe.report import render, write_report
+
+
+def _report(rec: dict, run_dir: Path, out: Path) -> None:
+    """The run's report without its plots (history reads report.json and links report.html; plots are test_report's)."""
+    with mock.patch.object(render, "make_plots", lambda summary, plot_dir: []):
+        write_report(rec, run_dir, out)
 
 
 def _shift(record: dict, artifact: str, by: float) -> None:
@@ -36,7 +43,7 @@ def _nights(out: Path) -> list[Path]:
     for run_id, start, by in (("r1", "2026-11-28T02:30:00Z", 0.0), ("r2", "2026-11-29T02:30:00Z", -0.015), ("r3", "2026-11-30T02:30:00Z", -0.09)):
         rec = make_record(run_id, start, tweak=lambda r, by=by: _shift(r, "fp8", by))
         d = save_run(out, rec)
-        write_report(rec, d, out)
+        _report(rec, d, out)
         dirs.append(d)
     return dirs
 
@@ -71,6 +78,7 @@ def test_history_html_links_every_point_to_its_report(tmp_path):
     assert "<script" not in html and not re.search(r'(src|href)="(https?:)?//', html)
 
 
+@pytest.mark.slow  # a headless browser per test
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium")
 def test_history_renders_in_chromium_without_horizontal_scroll(tmp_path):
     _nights(tmp_path)
@@ -142,7 +150,7 @@ def test_history_over_three_real_runs_of_a_tiny_recipe(tiny, tmp_path, tmp_path_
 def test_runs_started_in_the_same_minute_are_told_apart_by_their_seconds(tmp_path):
     for run_id, start in (("a", "2026-12-02T01:43:05Z"), ("b", "2026-12-02T01:43:18Z"), ("c", "2026-12-03T02:30:00Z")):
         rec = make_record(run_id, start)
-        write_report(rec, save_run(tmp_path, rec), tmp_path)
+        _report(rec, save_run(tmp_path, rec), tmp_path)
     h = json.loads(write_history(tmp_path)[0].read_text())
     assert [r["label"] for r in h["runs"]] == ["12-02 01:43:05", "12-02 01:43:18", "12-03 02:30:00"]
     h = json.loads(write_history(tmp_path, last=2)[0].read_text())

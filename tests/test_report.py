@@ -258,6 +258,7 @@ def _chromium(args: list[str], tmp: Path, timeout=90) -> subprocess.CompletedPro
     return subprocess.run([str(CHROMIUM), *flags, *args], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a headless browser per test
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it")
 def test_report_renders_in_headless_chromium(report, tmp_path):
     run_dir, _, _ = report
@@ -293,6 +294,7 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
 FIRST_SCREEN = (1366, 768)  # a laptop's browser window
 
 
+@pytest.mark.slow  # a headless browser per test
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it")
 def test_first_screen_at_1366_px_decides_without_horizontal_scroll(tmp_path):
     """At 1366 px the page never scrolls sideways, and the first screen holds the decision and the top of the table."""
