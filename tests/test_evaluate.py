@@ -52,19 +52,19 @@ def _upstream(baseline_model, baseline_eval) -> dict[str, Upstream]:
 
 
 def test_recovery_gate_fails_below_its_floor_and_names_the_ci():
-    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.455), _row("validation", "exact_match", 0.8, 0.8)])
+    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.455, ci=(0.905, 0.93)), _row("validation", "exact_match", 0.8, 0.8, ci=(0.99, 1.0))])
     assert check_gates(Gates(min_recovery=0.9), m) == []
     failures = check_gates(Gates(min_recovery=0.98), m)
     assert len(failures) == 1
-    assert failures[0].startswith("arc_tiny acc recovery 0.910") and "< min_recovery 0.98" in failures[0]
-    assert "95% CI 0.800-1.000" in failures[0]
+    assert failures[0].startswith("arc_tiny acc recovery 0.910") and "below min_recovery 0.98" in failures[0]
+    assert "95% CI 0.905-0.930" in failures[0]
 
 
 def test_per_task_gate_overrides_the_global_one_and_a_typo_fails():
-    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.40), _row("hella", "acc", 0.5, 0.5)])
+    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.40, ci=(0.76, 0.85)), _row("hella", "acc", 0.5, 0.5, ci=(0.995, 1.0))])
     assert check_gates(Gates(min_recovery=0.99, min_recovery_per_task={"arc_tiny": 0.75}), m) == []
     fails = check_gates(Gates(min_recovery_per_task={"arc_tiny": 0.9}), m)
-    assert fails == ["arc_tiny acc recovery 0.800 (95% CI 0.800-1.000, n=50) < min_recovery_per_task 0.9"]
+    assert fails == ["arc_tiny acc recovery 0.800 (95% CI 0.760-0.850, n=50): the lower bound is below min_recovery_per_task 0.9"]
     typo = check_gates(Gates(min_recovery_per_task={"arc_tiyn": 0.9}), m)
     assert len(typo) == 1 and "'arc_tiyn'" in typo[0] and "not evaluated" in typo[0]
 
@@ -80,7 +80,8 @@ def test_fidelity_gates_fail_above_max_kl_and_below_min_top1_agreement():
     m = _metrics([], fidelity={"kl_mean": 0.02, "top1_agreement": 0.93})
     assert check_gates(Gates(max_kl=0.05, min_top1_agreement=0.9), m) == []
     fails = check_gates(Gates(max_kl=0.01, min_top1_agreement=0.95), m)
-    assert fails == ["kl_mean 0.02 > max_kl 0.01", "top1_agreement 0.93 < min_top1_agreement 0.95"]
+    assert fails == ["kl_mean 0.02 is above max_kl 0.01 (no interval was measured, so the estimate is compared)",
+                     "top1_agreement 0.93 is below min_top1_agreement 0.95 (no interval was measured, so the estimate is compared)"]
 
 
 def test_gates_pass_the_baseline_and_an_artifact_without_gates():
@@ -382,6 +383,24 @@ def test_fidelity_topk_sums_per_sequence_and_refuses_other_tokens():
         fidelity_topk(base, [other[0]])
 
 
+def test_a_gate_fails_when_the_estimate_is_inside_but_the_bound_is_outside():
+    fid = {"kl_mean": 0.0031, "kl_mean_ci95": [0.0024, 0.0052], "top1_agreement": 0.93, "top1_agreement_ci95": [0.91, 0.95],
+           "n_windows": 78, "source": "documents"}
+    m = _metrics([_row("tz_region_mc", "acc", 0.5, 0.462, ci=(0.853, 0.984))], fidelity=fid)
+    assert check_gates(Gates(min_recovery=0.85, max_kl=0.006, min_top1_agreement=0.9), m) == []  # every interval inside
+    fails = check_gates(Gates(min_recovery=0.9, max_kl=0.005, min_top1_agreement=0.92), m)  # every estimate inside, every bound out
+    assert fails == ["tz_region_mc acc recovery 0.924 (95% CI 0.853-0.984, n=50): the lower bound is below min_recovery 0.9",
+                     "kl_mean 0.0031 (95% CI 0.0024-0.0052, 78 windows): the upper bound is above max_kl 0.005",
+                     "top1_agreement 0.93 (95% CI 0.91-0.95, 78 windows): the lower bound is below min_top1_agreement 0.92"]
+
+
+def test_a_gate_without_an_interval_compares_the_estimate_and_says_so():
+    m = _metrics([_row("t", "acc", 0.5, 0.45, ci=(0.8, 0.95))], fidelity={"kl_mean": 0.02, "top1_agreement": 0.93})
+    m["comparison"][0]["ci95"] = None  # an aggregate-only metric: no per-example scores to bootstrap
+    assert check_gates(Gates(min_recovery=0.85, max_kl=0.05), m) == []
+    assert check_gates(Gates(min_recovery=0.95), m) == ["t acc recovery 0.900 is below min_recovery 0.95 (no interval was measured, so the estimate is compared)"]
+
+
 def test_fidelity_schema_refuses_a_budget_of_fewer_than_two_windows_and_lets_the_fidelity_gates_rest_on_it(tmp_path):
     from pydantic import ValidationError
 
@@ -596,6 +615,11 @@ def test_fidelity_on_held_out_documents_with_intervals_over_windows(fidelity_rec
     assert f["ppl"] != f["ppl_baseline"] and f["ppl_ratio"] == pytest.approx(f["ppl"] / f["ppl_baseline"])
     assert f["ppl_ratio_ci95"][0] <= f["ppl_ratio"] <= f["ppl_ratio_ci95"][1] and f["ppl_ci95"][0] <= f["ppl"] <= f["ppl_ci95"][1]
     assert json.loads((tmp_path / "w2" / "evaluation.json").read_text())["fidelity"] == f
+    # a gate just above the estimate passes the estimate but not the interval's upper bound
+    assert check_gates(Gates(max_kl=f["kl_mean"] * 1.001), m) == [
+        f"kl_mean {f['kl_mean']:.4g} (95% CI {f['kl_mean_ci95'][0]:.4g}-{f['kl_mean_ci95'][1]:.4g}, {n_windows} windows): "
+        f"the upper bound is above max_kl {f['kl_mean'] * 1.001:g}"]
+    assert check_gates(Gates(max_kl=f["kl_mean_ci95"][1] * 1.001), m) == []
 
 
 @pytest.mark.slow

@@ -130,10 +130,19 @@ class Fidelity(Strict):
 
 
 class Gates(Strict):
-    min_recovery: float | None = Field(None, gt=0, le=2, description="Every task metric: artifact/baseline at least this.")
-    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(default_factory=dict)
-    max_kl: float | None = Field(None, ge=0, description="Mean next-token KL divergence vs the baseline at most this.")
-    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    """Each gate is checked on the 95% interval's bound, not the estimate: an artifact passes only when the interval lies
+    on the right side of the gate (where a figure has no interval, its estimate is compared and the failure says so)."""
+
+    min_recovery: float | None = Field(None, gt=0, le=2, description=(
+        "Every task metric: artifact/baseline at least this, checked on the lower bound of the recovery's paired-bootstrap 95% CI."))
+    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(default_factory=dict, description=(
+        "Per task (lm-eval task name, or `validation`): replaces min_recovery for that task; checked on the lower bound as well."))
+    max_kl: float | None = Field(None, ge=0, description=(
+        "Mean next-token KL divergence vs the baseline at most this, checked on the upper bound of its 95% interval "
+        "(bootstrap over windows). Needs evaluation.fidelity or evaluation.validation."))
+    min_top1_agreement: float | None = Field(None, ge=0, le=1, description=(
+        "Share of positions where the artifact's top token is the baseline's, at least this, checked on the lower bound of "
+        "its 95% interval. Needs evaluation.fidelity or evaluation.validation."))
 
 
 class Evaluation(Strict):
