@@ -824,6 +824,32 @@ def test_vllm_backend_refuses_what_vllm_cannot_run_and_a_baseline_of_another_bac
     assert rc == 2 and "backend: baseline 'hf', artifact 'vllm'" in text, text[-3000:]
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_vllm_backend_fidelity_on_held_out_documents(vllm_recipe, tiny, vllm_tmp, tmp_path):
+    """Backend vllm with evaluation.fidelity: the baseline keeps the prompt logprobs of every window, the artifact's stage
+    (here the baseline's own weights) compares against them: the token budget is scored, with intervals over windows."""
+    from quantpipe.recipe import Fidelity
+
+    le = vllm_recipe.evaluation.lm_eval.model_copy(update={"limit": 4})
+    f = Fidelity(path=str(tiny.heldout), max_tokens=FIDELITY_BUDGET, seq_len=FIDELITY_SEQ)
+    r = vllm_recipe.model_copy(update={"evaluation": vllm_recipe.evaluation.model_copy(update={"lm_eval": le, "validation": None, "fidelity": f})})
+    rc, base, text = _serve_stage(tmp_path / "base", r, tiny.llama, vllm_tmp)
+    assert rc == 0, text[-4000:]
+    ref = json.loads((tmp_path / "base" / "out" / "fidelity_reference.json").read_text())
+    n_windows = FIDELITY_BUDGET // FIDELITY_SEQ
+    assert [len(s) for s in ref["sequences"]] == [FIDELITY_SEQ - 1] * n_windows and base["fidelity"] is None
+    rc, m, text = _serve_stage(tmp_path / "self", r, tiny.llama, vllm_tmp, artifact="self", method="none",
+                               baseline_model=tiny.llama, baseline_eval=tmp_path / "base" / "out")
+    assert rc == 0, text[-4000:]
+    fid = m["fidelity"]
+    assert (fid["n_windows"], fid["n_tokens"], fid["source"]) == (n_windows, n_windows * (FIDELITY_SEQ - 1), "documents")
+    assert "top-20" in fid["kl_support"] and fid["ci_method"].startswith(f"bootstrap over {n_windows} windows")
+    for k in ("kl_mean", "top1_agreement", "ppl", "ppl_ratio"):
+        assert fid[f"{k}_ci95"][0] <= fid[k] <= fid[f"{k}_ci95"][1], (k, fid)
+    assert fid["kl_mean_ci95"][1] < 1e-3 and fid["top1_agreement_ci95"][0] > 0.99  # the same weights through the same engine
+
+
 def test_a_missing_lm_eval_dependency_fails_before_any_model_loads(tmp_path, monkeypatch):
     """lm-eval's evaluator is imported before any model or engine loads (an engine start takes a minute or
     more), and the error names the missing module and how to install it."""
