@@ -774,7 +774,7 @@ def test_vllm_backend_figures_equal_the_lm_eval_cli(vllm_recipe, vllm_baseline, 
     # the validation set went through the same engine, and the baseline kept its logprobs for the artifacts
     assert metrics["validation"]["n"] == N_VALIDATION and metrics["fidelity"] is None
     ref = json.loads((out / "fidelity_reference.json").read_text())
-    assert sum(len(r) for r in ref["rows"] if r) > 0 and all(len(p["top"]) == ref["logprobs"] for r in ref["rows"] if r for p in r)
+    assert len(ref["sequences"]) == N_VALIDATION and all(len(p["top"]) == ref["logprobs"] for r in ref["sequences"] for p in r)
 
 
 @pytest.mark.slow
