@@ -137,8 +137,9 @@ def summarize(stats: list[dict], samples: int, source: str, unit: str, seed: int
         for k in FIGURES:
             lo, hi = np.percentile(boot[k], [2.5, 97.5])
             out[f"{k}_ci95"] = [float(lo), float(hi)]
-        method = (f"bootstrap over {w} {unit} ({samples} resamples, seed {seed}); sequences, not tokens, are resampled because "
-                  "tokens within one are correlated")
+        what = "windows" if source == "documents" else "rows"
+        method = (f"bootstrap over {w} {unit} ({samples} resamples, seed {seed}); {what}, not tokens, are resampled because "
+                  f"the tokens within one are correlated")
     else:
         out |= {f"{k}_ci95": None for k in FIGURES}
         method = f"none: one sequence ({unit}), nothing to resample"
