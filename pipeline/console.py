@@ -263,7 +263,7 @@ def _elapsed(s: float) -> str:
 
 
 def summary_rows(summary: dict) -> list[list[str]]:
-    """The final table: artifact, size, recovery [95% CI], KL, goodput at the SLO [95% CI], gate."""
+    """The final table: artifact, size, recovery [95% CI], KL [95% CI], goodput at the SLO [95% CI], gate."""
     rows = []
     for r in summary.get("rows") or []:
         ci = r.get("recovery_ci")
@@ -277,11 +277,13 @@ def summary_rows(summary: dict) -> list[list[str]]:
         if r.get("failed_stages"):
             gate = f"{gate}; {', '.join(r['failed_stages'])}"
         name = r["artifact"] + (" ★" if (summary.get("recommendation") or {}).get("choice") == r["artifact"] else "")
-        rows.append([name, human_bytes(r.get("size_bytes")), rec, "0" if r.get("baseline") else sig(r.get("kl_mean"), 2), good, gate])
+        kci = r.get("kl_ci")
+        kl = "0" if r.get("baseline") else sig(r.get("kl_mean"), 2) + (f" [{sig(kci[0], 2)}, {sig(kci[1], 2)}]" if kci and r.get("kl_mean") is not None else "")
+        rows.append([name, human_bytes(r.get("size_bytes")), rec, kl, good, gate])
     return rows
 
 
-HEADERS = ["artifact", "size", "recovery [95% CI]", "KL", "goodput at SLO", "gate"]
+HEADERS = ["artifact", "size", "recovery [95% CI]", "KL [95% CI]", "goodput at SLO", "gate"]
 
 
 def final_summary(console, summary: dict, report: Path | None, plain: bool) -> None:
@@ -302,7 +304,7 @@ def final_summary(console, summary: dict, report: Path | None, plain: bool) -> N
 
     t = Table(box=None, header_style="bold", pad_edge=False)
     for h in HEADERS:
-        t.add_column(h, no_wrap=h != "gate", justify="right" if h in ("size", "KL") else "left")
+        t.add_column(h, no_wrap=h != "gate", justify="right" if h in ("size", "KL [95% CI]") else "left")
     colour = {"PASS": "green", "FAIL": "red"}
     for r in rows:
         gate = r[5]

@@ -168,7 +168,7 @@ def _tokenizer_max(tok_dir: Path) -> int | None:
 
 
 def context_problems(recipe, c: dict, tok_dir: Path) -> list[str]:
-    """Workloads longer than the engine takes, max_model_len beyond the model's context, calibration beyond it, a
+    """Workloads longer than the engine takes, max_model_len beyond the model's context, calibration or fidelity windows beyond it, a
     tensor_parallel_size that does not divide the attention heads."""
     from .common.vllm_support import variant_engines
 
@@ -178,6 +178,10 @@ def context_problems(recipe, c: dict, tok_dir: Path) -> list[str]:
     if cal and ctx and cal.max_seq_len > ctx[0]:
         out.append(f"calibration.max_seq_len: {cal.max_seq_len} is longer than the model's context ({ctx[1]} in config.json), "
                    f"positions it was never trained on; use at most {ctx[0]}")
+    fid = recipe.evaluation.fidelity
+    if fid and ctx and fid.seq_len > ctx[0]:
+        out.append(f"evaluation.fidelity.seq_len: {fid.seq_len} is longer than the model's context ({ctx[1]} in config.json); "
+                   f"use at most {ctx[0]}")
     b = recipe.benchmark
     if not b.enabled:
         return out

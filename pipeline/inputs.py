@@ -1,4 +1,4 @@
-"""The data a recipe names, read before anything runs: calibration and validation rows, adapters against the base,
+"""The data a recipe names, read before anything runs: calibration, validation and fidelity rows, adapters against the base,
 the model's config.json and tokenizer against the recipe (`quantpipe.fit`), lm-eval's task names (`quantpipe.lm_tasks`),
 and where the run writes (`quantpipe.places`).
 
@@ -47,7 +47,7 @@ def _data_problems(recipe, out: list[str]) -> list[str]:
     """Append the calibration and validation files' problems to `out`; return what of them needs a chat template."""
     from . import calibration
     from .stages import StageError
-    from .stages.evaluate import load_validation
+    from .stages.evaluate import load_documents, load_validation
 
     needs = []
     c = recipe.calibration
@@ -74,6 +74,16 @@ def _data_problems(recipe, out: list[str]) -> list[str]:
             out.append(f"{v.path}:{_first_bad_utf8_line(Path(v.path))}: not UTF-8 text; re-encode the file as UTF-8")
         except OSError as e:
             out.append(f"evaluation.validation.path: cannot read {v.path} ({e.strerror})")
+    f = recipe.evaluation.fidelity
+    if f is not None:
+        try:
+            load_documents(f.path)
+        except StageError as e:
+            out.append(str(e))
+        except UnicodeDecodeError:
+            out.append(f"{f.path}:{_first_bad_utf8_line(Path(f.path))}: not UTF-8 text; re-encode the file as UTF-8")
+        except OSError as e:
+            out.append(f"evaluation.fidelity.path: cannot read {f.path} ({e.strerror})")
     return needs
 
 

@@ -52,19 +52,19 @@ def _upstream(baseline_model, baseline_eval) -> dict[str, Upstream]:
 
 
 def test_recovery_gate_fails_below_its_floor_and_names_the_ci():
-    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.455), _row("validation", "exact_match", 0.8, 0.8)])
+    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.455, ci=(0.905, 0.93)), _row("validation", "exact_match", 0.8, 0.8, ci=(0.99, 1.0))])
     assert check_gates(Gates(min_recovery=0.9), m) == []
     failures = check_gates(Gates(min_recovery=0.98), m)
     assert len(failures) == 1
-    assert failures[0].startswith("arc_tiny acc recovery 0.910") and "< min_recovery 0.98" in failures[0]
-    assert "95% CI 0.800-1.000" in failures[0]
+    assert failures[0].startswith("arc_tiny acc recovery 0.910") and "below min_recovery 0.98" in failures[0]
+    assert "95% CI 0.905-0.930" in failures[0]
 
 
 def test_per_task_gate_overrides_the_global_one_and_a_typo_fails():
-    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.40), _row("hella", "acc", 0.5, 0.5)])
+    m = _metrics([_row("arc_tiny", "acc", 0.50, 0.40, ci=(0.76, 0.85)), _row("hella", "acc", 0.5, 0.5, ci=(0.995, 1.0))])
     assert check_gates(Gates(min_recovery=0.99, min_recovery_per_task={"arc_tiny": 0.75}), m) == []
     fails = check_gates(Gates(min_recovery_per_task={"arc_tiny": 0.9}), m)
-    assert fails == ["arc_tiny acc recovery 0.800 (95% CI 0.800-1.000, n=50) < min_recovery_per_task 0.9"]
+    assert fails == ["arc_tiny acc recovery 0.800 (95% CI 0.760-0.850, n=50): the lower bound is below min_recovery_per_task 0.9"]
     typo = check_gates(Gates(min_recovery_per_task={"arc_tiyn": 0.9}), m)
     assert len(typo) == 1 and "'arc_tiyn'" in typo[0] and "not evaluated" in typo[0]
 
@@ -80,7 +80,8 @@ def test_fidelity_gates_fail_above_max_kl_and_below_min_top1_agreement():
     m = _metrics([], fidelity={"kl_mean": 0.02, "top1_agreement": 0.93})
     assert check_gates(Gates(max_kl=0.05, min_top1_agreement=0.9), m) == []
     fails = check_gates(Gates(max_kl=0.01, min_top1_agreement=0.95), m)
-    assert fails == ["kl_mean 0.02 > max_kl 0.01", "top1_agreement 0.93 < min_top1_agreement 0.95"]
+    assert fails == ["kl_mean 0.02 is above max_kl 0.01 (no interval was measured, so the estimate is compared)",
+                     "top1_agreement 0.93 is below min_top1_agreement 0.95 (no interval was measured, so the estimate is compared)"]
 
 
 def test_gates_pass_the_baseline_and_an_artifact_without_gates():
@@ -272,6 +273,158 @@ def test_kl_topk_is_exact_on_full_support_and_a_lower_bound_otherwise():
     assert kl_topk(same, dict(same)) == 0.0
 
 
+# --- fidelity: windows, intervals, the bound rule of the gates ------------------------------------
+
+
+class _WordTok:
+    """A tokenizer stand-in: one id per word, a BOS (id 1) in front when special tokens are added."""
+
+    bos_token = "<s>"
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([1] if add_special_tokens else []) + [2 + len(w) for w in text.split()]}
+
+
+def _docs(tmp_path, texts) -> Path:
+    p = tmp_path / "docs.jsonl"
+    p.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return p
+
+
+def test_documents_are_concatenated_with_their_bos_and_cut_into_windows_within_the_budget(tmp_path):
+    from quantpipe.stages.evaluate.fidelity import document_windows
+
+    docs = load_documents_from(_docs(tmp_path, ["a bb ccc dddd"] * 10))  # 5 tokens each with BOS: 50 in all
+    wins = document_windows(_WordTok(), docs, add_bos=True, seq_len=8, max_tokens=40)
+    assert len(wins) == 5 and all(len(ids) == 8 and start == 1 for ids, start in wins)
+    assert [ids for ids, _ in wins][0] == [1, 3, 4, 5, 6, 1, 3, 4]  # each document starts with the tokenizer's BOS
+    assert len(document_windows(_WordTok(), docs, add_bos=True, seq_len=8, max_tokens=1000)) == 6  # 50 tokens: the last 2 dropped
+    assert document_windows(_WordTok(), docs, add_bos=False, seq_len=8, max_tokens=1000)[0][0][:5] == [3, 4, 5, 6, 3]
+    with pytest.raises(StageError, match=r"the documents give 50 tokens, fewer than two windows of seq_len 32.*add documents or lower seq_len"):
+        document_windows(_WordTok(), docs, add_bos=True, seq_len=32, max_tokens=1000)
+
+
+def load_documents_from(path):
+    from quantpipe.stages.evaluate import load_documents
+
+    return load_documents(path)
+
+
+@pytest.mark.parametrize("line, problem", [("not json", "not valid JSON"), ('{"txt": "x"}', "non-empty string `text`"),
+                                           ('{"text": "  "}', "non-empty string `text`"), ('["x"]', "non-empty string `text`")])
+def test_bad_document_lines_name_file_and_line(tmp_path, line, problem):
+    p = tmp_path / "docs.jsonl"
+    p.write_text(json.dumps({"text": "fine"}) + "\n" + line + "\n")
+    with pytest.raises(StageError, match=rf"docs.jsonl:2: .*{problem}"):
+        load_documents_from(p)
+
+
+def _window(kl=0.0, agree=16, nll=40.0, nll_baseline=40.0, n=16):
+    return {"kl": kl, "agree": agree, "nll": nll, "nll_baseline": nll_baseline, "n": n}
+
+
+def test_identical_models_give_zero_kl_with_a_zero_interval():
+    from quantpipe.stages.evaluate.fidelity import summarize
+
+    f = summarize([_window(nll=30.0 + i, nll_baseline=30.0 + i) for i in range(20)], 1000, "documents", "windows of 17 tokens")
+    assert (f["kl_mean"], f["kl_mean_ci95"]) == (0.0, [0.0, 0.0])
+    assert (f["top1_agreement"], f["top1_agreement_ci95"]) == (1.0, [1.0, 1.0])
+    assert (f["ppl_ratio"], f["ppl_ratio_ci95"]) == (1.0, [1.0, 1.0]) and f["ppl"] == f["ppl_baseline"]
+    assert f["ppl_ci95"][0] < f["ppl"] < f["ppl_ci95"][1]  # the documents differ in difficulty: perplexity has a spread
+    assert (f["n_tokens"], f["n_windows"], f["source"]) == (320, 20, "documents")
+    assert f["ci_method"].startswith("bootstrap over 20 windows of 17 tokens (1000 resamples, seed 0)") and "not tokens" in f["ci_method"]
+
+
+def test_a_perturbed_model_gives_kl_above_zero_with_a_lower_bound_above_zero_reproducibly():
+    import numpy as np
+
+    from quantpipe.stages.evaluate.fidelity import summarize
+
+    rng = np.random.default_rng(1)
+    stats = [_window(kl=float(k), agree=int(a), nll=45.0 + float(d), nll_baseline=44.0) for k, a, d in
+             zip(rng.gamma(2.0, 0.05, 30), rng.integers(12, 17, 30), rng.normal(1.0, 0.5, 30))]
+    f = summarize(stats, 500, "documents", "windows of 17 tokens")
+    assert f["kl_mean"] > 0 and 0 < f["kl_mean_ci95"][0] < f["kl_mean"] < f["kl_mean_ci95"][1]
+    assert f["top1_agreement_ci95"][0] < f["top1_agreement"] < f["top1_agreement_ci95"][1] <= 1.0
+    assert f["ppl_ratio"] > 1 and f["ppl_ratio_ci95"][0] > 1  # every window is worse than the baseline on average
+    assert f["kl_mean"] == pytest.approx(sum(s["kl"] for s in stats) / (30 * 16))  # token-weighted over all windows
+    assert summarize(stats, 500, "documents", "windows of 17 tokens") == f  # fixed seed: the same interval every time
+
+
+def test_windows_not_tokens_are_resampled():
+    """Two windows, one all-agreeing and one all-disagreeing: resampling windows gives an interval across [0, 1];
+    resampling the 32 tokens as if independent would give about 0.5 +- 0.17."""
+    from quantpipe.stages.evaluate.fidelity import summarize
+
+    f = summarize([_window(agree=16), _window(agree=0)], 2000, "documents", "windows of 17 tokens")
+    assert f["top1_agreement"] == 0.5 and f["top1_agreement_ci95"] == [0.0, 1.0]
+
+
+def test_one_sequence_has_no_interval():
+    from quantpipe.stages.evaluate.fidelity import summarize
+
+    f = summarize([_window(kl=0.5)], 1000, "validation", "validation rows (their reference tokens)")
+    assert f["kl_mean"] == 0.5 / 16 and f["kl_mean_ci95"] is None and f["ci_method"].startswith("none")
+    assert summarize([], 1000, "validation", "validation rows") is None
+
+
+def test_fidelity_topk_sums_per_sequence_and_refuses_other_tokens():
+    from quantpipe.stages.evaluate.vllm import fidelity_topk
+
+    pos = lambda t, lp, top: {"target": t, "target_logprob": lp, "top": top}  # noqa: E731
+    base = [[pos(5, -0.1, [[5, -0.1], [6, -2.5]]), pos(6, -1.0, [[7, -0.5], [6, -1.0]])], [pos(9, -0.2, [[9, -0.2]])]]
+    same = fidelity_topk(base, base)
+    assert [s["n"] for s in same] == [2, 1] and all(s["kl"] == 0 and s["nll"] == s["nll_baseline"] for s in same)
+    assert [s["agree"] for s in same] == [2, 1]
+    other = [[pos(5, -0.3, [[6, -0.2], [5, -0.3]]), pos(6, -1.0, [[7, -0.5], [6, -1.0]])], [pos(9, -0.2, [[9, -0.2]])]]
+    moved = fidelity_topk(base, other)
+    assert moved[0]["kl"] > 0 and moved[0]["agree"] == 1 and moved[0]["nll"] == pytest.approx(1.3)
+    with pytest.raises(StageError, match="other tokens than this artifact's"):
+        fidelity_topk(base, [other[0]])
+
+
+def test_a_gate_fails_when_the_estimate_is_inside_but_the_bound_is_outside():
+    fid = {"kl_mean": 0.0031, "kl_mean_ci95": [0.0024, 0.0052], "top1_agreement": 0.93, "top1_agreement_ci95": [0.91, 0.95],
+           "n_windows": 78, "source": "documents"}
+    m = _metrics([_row("tz_region_mc", "acc", 0.5, 0.462, ci=(0.853, 0.984))], fidelity=fid)
+    assert check_gates(Gates(min_recovery=0.85, max_kl=0.006, min_top1_agreement=0.9), m) == []  # every interval inside
+    fails = check_gates(Gates(min_recovery=0.9, max_kl=0.005, min_top1_agreement=0.92), m)  # every estimate inside, every bound out
+    assert fails == ["tz_region_mc acc recovery 0.924 (95% CI 0.853-0.984, n=50): the lower bound is below min_recovery 0.9",
+                     "kl_mean 0.0031 (95% CI 0.0024-0.0052, 78 windows): the upper bound is above max_kl 0.005",
+                     "top1_agreement 0.93 (95% CI 0.91-0.95, 78 windows): the lower bound is below min_top1_agreement 0.92"]
+
+
+def test_a_gate_without_an_interval_compares_the_estimate_and_says_so():
+    m = _metrics([_row("t", "acc", 0.5, 0.45, ci=(0.8, 0.95))], fidelity={"kl_mean": 0.02, "top1_agreement": 0.93})
+    m["comparison"][0]["ci95"] = None  # an aggregate-only metric: no per-example scores to bootstrap
+    assert check_gates(Gates(min_recovery=0.85, max_kl=0.05), m) == []
+    assert check_gates(Gates(min_recovery=0.95), m) == ["t acc recovery 0.900 is below min_recovery 0.95 (no interval was measured, so the estimate is compared)"]
+
+
+def test_fidelity_schema_refuses_a_budget_of_fewer_than_two_windows_and_lets_the_fidelity_gates_rest_on_it(tmp_path):
+    from pydantic import ValidationError
+
+    from quantpipe.recipe import Evaluation
+
+    with pytest.raises(ValidationError, match=r"max_tokens 300 holds fewer than two windows of seq_len 256.*at least 512"):
+        Evaluation.model_validate({"fidelity": {"path": "d.jsonl", "max_tokens": 300}})
+    with pytest.raises(ValidationError, match="extra"):
+        Evaluation.model_validate({"fidelity": {"path": "d.jsonl", "tokens": 300}})
+    ev = Evaluation.model_validate({"fidelity": {"path": "d.jsonl"}, "gates": {"max_kl": 0.01, "min_top1_agreement": 0.9}})
+    assert (ev.fidelity.max_tokens, ev.fidelity.seq_len) == (20_000, 256)
+    with pytest.raises(ValidationError, match=r"gates.max_kl .* add evaluation.validation .* or evaluation.fidelity"):
+        Evaluation.model_validate({"lm_eval": {"tasks": ["x"]}, "gates": {"max_kl": 0.01}})
+
+
+def test_fidelity_alone_plans_the_evaluate_steps(tmp_path):
+    from quantpipe.run.plan import build_steps
+
+    r = Recipe.model_validate({"name": "b", "output_dir": str(tmp_path / "out"), "base": {"model": str(tmp_path)},
+                               "artifacts": [{"name": "a", "method": "rtn"}], "evaluation": {"fidelity": {"path": str(tmp_path / "d.jsonl")}}})
+    steps = [s for s in build_steps(r, str(tmp_path)) if s.kind == "evaluate"]
+    assert [s.id for s in steps] == ["evaluate:baseline", "evaluate:a"] and steps[1].inp.fidelity.path == str(tmp_path / "d.jsonl")
+
+
 # --- slow: the stage on the tiny model, against the lm-eval CLI, a damaged artifact and itself -----
 
 LIMIT = 64  # examples per lm-eval task: enough for the damaged artifact's losses to show
@@ -421,11 +574,52 @@ def test_damaged_artifact_loses_and_trips_the_gate(recipe, baseline, tiny, damag
     failures = check_gates(Gates(min_recovery=0.99, max_kl=1e-4), m)
     assert any(f.startswith(f"{c['task']} {c['metric']} recovery {c['recovery']:.3f}") for f in failures), failures
     assert any(f.startswith("kl_mean") for f in failures)
-    worst = min(x["recovery"] for x in m["comparison"])
-    lenient = Gates(min_recovery=worst * 0.9, max_kl=m["fidelity"]["kl_mean"] * 2, min_top1_agreement=m["fidelity"]["top1_agreement"] / 2)
+    worst = min(x["ci95"][0] if x["ci95"] else x["recovery"] for x in m["comparison"])  # the gates check the interval's bound
+    f = m["fidelity"]
+    assert f["kl_mean_ci95"][0] <= f["kl_mean"] <= f["kl_mean_ci95"][1] and f["n_windows"] == N_VALIDATION and f["source"] == "validation"
+    lenient = Gates(min_recovery=worst * 0.9, max_kl=f["kl_mean_ci95"][1] * 2, min_top1_agreement=f["top1_agreement_ci95"][0] / 2)
     assert check_gates(lenient, m) == []
     per_task = Gates(min_recovery=worst * 0.9, min_recovery_per_task={c["task"]: 0.99})
     assert [f for f in check_gates(per_task, m) if "min_recovery_per_task 0.99" in f]
+
+
+FIDELITY_BUDGET, FIDELITY_SEQ = 2048, 128  # the tiny model's held-out documents give ~2800 tokens: 16 windows
+
+
+@pytest.fixture(scope="module")
+def fidelity_recipe(recipe, tiny) -> Recipe:
+    """Fidelity on held-out documents alone (no lm-eval, no validation set), so the stages load the models only for it."""
+    from quantpipe.recipe import Fidelity
+
+    f = Fidelity(path=str(tiny.heldout), max_tokens=FIDELITY_BUDGET, seq_len=FIDELITY_SEQ)
+    return recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(update={"lm_eval": None, "validation": None, "fidelity": f})})
+
+
+@pytest.mark.slow
+def test_fidelity_on_held_out_documents_with_intervals_over_windows(fidelity_recipe, tiny, damaged_model, tmp_path):
+    b = _stage(fidelity_recipe, tiny.llama, tmp_path / "base")
+    assert b["fidelity"] is None and b["comparison"] is None
+    assert b["settings"]["fidelity"]["source"] == "documents" and b["settings"]["fidelity"]["seq_len"] == FIDELITY_SEQ
+    same = _stage(fidelity_recipe, tiny.llama, tmp_path / "self", artifact="self", method="none", baseline_model=tiny.llama, baseline_eval=tmp_path / "base")
+    f = same["fidelity"]
+    n_windows = FIDELITY_BUDGET // FIDELITY_SEQ
+    assert (f["n_windows"], f["n_tokens"]) == (n_windows, n_windows * (FIDELITY_SEQ - 1))  # every position after a window's first
+    assert f["n_tokens"] >= 0.99 * FIDELITY_BUDGET and f["source"] == "documents" and f["kl_support"] == "full vocabulary"
+    assert (f["kl_mean"], f["kl_mean_ci95"]) == (0.0, [0.0, 0.0]) and f["top1_agreement_ci95"] == [1.0, 1.0]
+    assert f["ppl_ratio_ci95"] == [1.0, 1.0] and f["ci_method"].startswith(f"bootstrap over {n_windows} windows of {FIDELITY_SEQ} tokens")
+    m = _stage(fidelity_recipe, damaged_model, tmp_path / "w2", artifact="w2", method="rtn", baseline_model=tiny.llama, baseline_eval=tmp_path / "base")
+    f = m["fidelity"]
+    assert f["n_tokens"] == n_windows * (FIDELITY_SEQ - 1) and f["n_windows"] == n_windows
+    assert 0 < f["kl_mean_ci95"][0] <= f["kl_mean"] <= f["kl_mean_ci95"][1]
+    assert f["top1_agreement_ci95"][0] <= f["top1_agreement"] <= f["top1_agreement_ci95"][1] < 1.0
+    assert f["ppl"] != f["ppl_baseline"] and f["ppl_ratio"] == pytest.approx(f["ppl"] / f["ppl_baseline"])
+    assert f["ppl_ratio_ci95"][0] <= f["ppl_ratio"] <= f["ppl_ratio_ci95"][1] and f["ppl_ci95"][0] <= f["ppl"] <= f["ppl_ci95"][1]
+    assert json.loads((tmp_path / "w2" / "evaluation.json").read_text())["fidelity"] == f
+    # a gate just above the estimate passes the estimate but not the interval's upper bound
+    assert check_gates(Gates(max_kl=f["kl_mean"] * 1.001), m) == [
+        f"kl_mean {f['kl_mean']:.4g} (95% CI {f['kl_mean_ci95'][0]:.4g}-{f['kl_mean_ci95'][1]:.4g}, {n_windows} windows): "
+        f"the upper bound is above max_kl {f['kl_mean'] * 1.001:g}"]
+    assert check_gates(Gates(max_kl=f["kl_mean_ci95"][1] * 1.001), m) == []
 
 
 @pytest.mark.slow
@@ -580,7 +774,7 @@ def test_vllm_backend_figures_equal_the_lm_eval_cli(vllm_recipe, vllm_baseline, 
     # the validation set went through the same engine, and the baseline kept its logprobs for the artifacts
     assert metrics["validation"]["n"] == N_VALIDATION and metrics["fidelity"] is None
     ref = json.loads((out / "fidelity_reference.json").read_text())
-    assert sum(len(r) for r in ref["rows"] if r) > 0 and all(len(p["top"]) == ref["logprobs"] for r in ref["rows"] if r for p in r)
+    assert len(ref["sequences"]) == N_VALIDATION and all(len(p["top"]) == ref["logprobs"] for r in ref["sequences"] for p in r)
 
 
 @pytest.mark.slow
@@ -604,7 +798,7 @@ def test_vllm_backend_int8_artifact_against_the_baseline(vllm_recipe, vllm_basel
         assert c["baseline"] == pytest.approx(bval), c
         if c["baseline"]:
             assert c["recovery"] == pytest.approx(c["artifact"] / c["baseline"]) and c["ci95"][0] <= c["recovery"] <= c["ci95"][1], c
-    assert check_gates(Gates(max_kl=f["kl_mean"] / 2), m) and not check_gates(Gates(max_kl=f["kl_mean"] * 2), m)
+    assert check_gates(Gates(max_kl=f["kl_mean"] / 2), m) and not check_gates(Gates(max_kl=f["kl_mean_ci95"][1] * 2), m)
 
 
 @pytest.mark.slow
@@ -628,6 +822,32 @@ def test_vllm_backend_refuses_what_vllm_cannot_run_and_a_baseline_of_another_bac
     rc, _, text = _serve_stage(tmp_path / "mixed", vllm_recipe, tiny.llama, vllm_tmp, artifact="self", method="none",
                                baseline_model=tiny.llama, baseline_eval=hf_base)
     assert rc == 2 and "backend: baseline 'hf', artifact 'vllm'" in text, text[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_vllm_backend_fidelity_on_held_out_documents(vllm_recipe, tiny, vllm_tmp, tmp_path):
+    """Backend vllm with evaluation.fidelity: the baseline keeps the prompt logprobs of every window, the artifact's stage
+    (here the baseline's own weights) compares against them: the token budget is scored, with intervals over windows."""
+    from quantpipe.recipe import Fidelity
+
+    le = vllm_recipe.evaluation.lm_eval.model_copy(update={"limit": 4})
+    f = Fidelity(path=str(tiny.heldout), max_tokens=FIDELITY_BUDGET, seq_len=FIDELITY_SEQ)
+    r = vllm_recipe.model_copy(update={"evaluation": vllm_recipe.evaluation.model_copy(update={"lm_eval": le, "validation": None, "fidelity": f})})
+    rc, base, text = _serve_stage(tmp_path / "base", r, tiny.llama, vllm_tmp)
+    assert rc == 0, text[-4000:]
+    ref = json.loads((tmp_path / "base" / "out" / "fidelity_reference.json").read_text())
+    n_windows = FIDELITY_BUDGET // FIDELITY_SEQ
+    assert [len(s) for s in ref["sequences"]] == [FIDELITY_SEQ - 1] * n_windows and base["fidelity"] is None
+    rc, m, text = _serve_stage(tmp_path / "self", r, tiny.llama, vllm_tmp, artifact="self", method="none",
+                               baseline_model=tiny.llama, baseline_eval=tmp_path / "base" / "out")
+    assert rc == 0, text[-4000:]
+    fid = m["fidelity"]
+    assert (fid["n_windows"], fid["n_tokens"], fid["source"]) == (n_windows, n_windows * (FIDELITY_SEQ - 1), "documents")
+    assert "top-20" in fid["kl_support"] and fid["ci_method"].startswith(f"bootstrap over {n_windows} windows")
+    for k in ("kl_mean", "top1_agreement", "ppl", "ppl_ratio"):
+        assert fid[f"{k}_ci95"][0] <= fid[k] <= fid[f"{k}_ci95"][1], (k, fid)
+    assert fid["kl_mean_ci95"][1] < 1e-3 and fid["top1_agreement_ci95"][0] > 0.99  # the same weights through the same engine
 
 
 def test_a_missing_lm_eval_dependency_fails_before_any_model_loads(tmp_path, monkeypatch):

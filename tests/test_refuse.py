@@ -329,6 +329,12 @@ OTHERS = {
     "input_len on a validation workload": (lambda d: d["benchmark"]["workloads"].append({"name": "v", "kind": "validation", "input_len": 8}),
                                            ["benchmark.workloads.2", "input_len does not apply to kind validation"]),
     "fidelity gate without validation": (lambda d: d["evaluation"].pop("validation"), ["gates.max_kl", "add evaluation.validation"]),
+    "fidelity documents missing": (lambda d: d["evaluation"].update(fidelity={"path": "heldout.jsonl"}),
+                                   ["evaluation.fidelity.path", "heldout.jsonl does not exist", "one {\"text\": ...} per line"]),
+    "fidelity budget under two windows": (lambda d: d["evaluation"].update(fidelity={"path": "cal.jsonl", "max_tokens": 100, "seq_len": 64}),
+                                          ["evaluation.fidelity", "max_tokens 100 holds fewer than two windows of seq_len 64"]),
+    "fidelity window beyond the context": (lambda d: d["evaluation"].update(fidelity={"path": "cal.jsonl", "max_tokens": 4096, "seq_len": 2048}),
+                                           ["evaluation.fidelity.seq_len: 2048 is longer than the model's context", "use at most 1024"]),
     "gate with nothing evaluated": (lambda d: d["evaluation"].update(lm_eval=None, validation=None, gates={"min_recovery": 0.9}),
                                     ["gates.min_recovery needs something evaluated"]),
     "per-task gate without lm_eval": (lambda d: (d["evaluation"].pop("lm_eval"), d["evaluation"]["gates"].update(min_recovery_per_task={"arc": 0.9})),
@@ -347,6 +353,14 @@ OTHERS = {
     "calibration longer than the context": (lambda d: d["calibration"].update(max_seq_len=4096),
                                             ["calibration.max_seq_len: 4096 is longer than the model's context", "at most 1024"]),
 }
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_bad_fidelity_document_is_refused_naming_file_and_line(world, command):
+    (world / "docs.jsonl").write_text(json.dumps({"text": "a held-out document"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    d = good()
+    d["evaluation"]["fidelity"] = {"path": "docs.jsonl"}
+    refused(world, command, d, "docs.jsonl:2:", "non-empty string `text`")
 
 
 @pytest.mark.parametrize("command", COMMANDS)

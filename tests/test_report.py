@@ -845,6 +845,8 @@ def test_recommendation_kl_within_its_intervals_is_the_same_fidelity_so_size_dec
 
     rec = summarize(make_record(tweak=close))["recommendation"]
     assert (rec["choice"], rec["decided_by"]) == ("w8a8", "size"), rec["sentence"]
+    assert ("their fidelity is the same within its 95% intervals (KL 0.00022 [0.00017, 0.00027] against 0.0002 [0.00015, 0.00025]), "
+            "so the smaller one is chosen") in rec["sentence"]
     # without the intervals the lower KL decides
     def bare(r):
         close(r)
@@ -853,3 +855,32 @@ def test_recommendation_kl_within_its_intervals_is_the_same_fidelity_so_size_dec
 
     rec = summarize(make_record(tweak=bare))["recommendation"]
     assert (rec["choice"], rec["decided_by"]) == ("fp8", "fidelity")
+
+
+def test_fidelity_figures_show_their_intervals_and_what_they_rest_on(tmp_path):
+    """KL, top-1 agreement, perplexity and its ratio with the evaluate stage's 95% intervals, in report.html, report.md and
+    the console's table, with the tokens and windows they rest on."""
+    from quantpipe.console import summary_rows
+
+    fid = {"kl_mean": 3.1e-3, "kl_mean_ci95": [2.4e-3, 5.2e-3], "top1_agreement": 0.93, "top1_agreement_ci95": [0.91, 0.95],
+           "ppl": 57.2, "ppl_ci95": [55.0, 59.9], "ppl_baseline": 57.0, "ppl_ratio": 1.0035, "ppl_ratio_ci95": [1.001, 1.006],
+           "n_tokens": 19_890, "n_windows": 78, "source": "documents", "kl_support": "full vocabulary",
+           "ci_method": "bootstrap over 78 windows of 256 tokens (1000 resamples, seed 0)"}
+
+    def tweak(r):
+        r["stages"]["evaluate:fp8"]["metrics"]["fidelity"] = fid
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_report(make_record(tweak=tweak), run_dir, tmp_path)
+    row = next(r for r in json.loads((run_dir / "report.json").read_text())["rows"] if r["artifact"] == "fp8")
+    assert (row["kl_ci"], row["top1_ci"], row["ppl_ci"], row["ppl_ratio_ci"]) == ([2.4e-3, 5.2e-3], [0.91, 0.95], [55.0, 59.9], [1.001, 1.006])
+    assert row["fidelity"]["n_tokens"] == 19_890 and row["fidelity"]["n_windows"] == 78
+    text = ("mean next-token KL divergence 0.0031 [0.0024, 0.0052], top-1 agreement 0.9300 [0.9100, 0.9500], perplexity 57.2 [55, 59.9] "
+            "(baseline 57, ratio 1.0035 [1.0010, 1.0060]); 19890 tokens of held-out documents in 78 windows; "
+            "95% intervals: bootstrap over 78 windows of 256 tokens (1000 resamples, seed 0)")
+    html, md = (run_dir / "report.html").read_text(), (run_dir / "report.md").read_text()
+    assert f"Fidelity vs the baseline: {text}." in html and f"Fidelity vs the baseline: {text}." in md
+    assert '<td>0.0031 <span class="small">[0.0024, 0.0052]</span></td>' in html and "| 0.0031 [0.0024, 0.0052] | 0.930 [0.910, 0.950] |" in md
+    table = summary_rows(summarize(make_record(tweak=tweak)))
+    assert next(r for r in table if r[0].startswith("fp8"))[3] == "0.0031 [0.0024, 0.0052]"

@@ -73,6 +73,22 @@ def test_benchmark_change_reruns_only_benchmark_and_package(fake):
     assert changed(k1, k2) == ["benchmark:a", "benchmark:baseline", "benchmark:f", "package:a", "package:f"]
 
 
+def test_fidelity_documents_count_by_content_in_the_evaluate_keys_only(fake):
+    """The held-out documents are hashed into the evaluate keys (and the packages that cite them), never the benchmark's."""
+    d = recipe_dict()
+    k0 = keys(fake, d)
+    (fake / "docs.jsonl").write_text('{"text": "one document"}\n')
+    d["evaluation"]["fidelity"] = {"path": "docs.jsonl"}
+    k1 = keys(fake, d)
+    evaluate_and_package = ["evaluate:a", "evaluate:baseline", "evaluate:f", "package:a", "package:f"]
+    assert changed(k0, k1) == evaluate_and_package
+    (fake / "docs.jsonl").write_text('{"text": "another document"}\n')
+    k2 = keys(fake, d)
+    assert changed(k1, k2) == evaluate_and_package
+    d["evaluation"]["fidelity"]["seq_len"] = 128
+    assert changed(k2, keys(fake, d)) == evaluate_and_package
+
+
 def test_gates_change_reruns_nothing(fake):
     d = recipe_dict()
     k1 = keys(fake, d)

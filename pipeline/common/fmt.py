@@ -28,3 +28,27 @@ def human_bytes(n) -> str:
 
 def md_cell(v) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def fidelity_text(fid: dict) -> str:
+    """An evaluation's fidelity figures in words, each with its 95% interval, and what they rest on (report and model card):
+    "mean next-token KL divergence 0.0031 [0.0024, 0.0052], top-1 agreement 0.9300 [0.9100, 0.9500], ...; 2032 tokens ..."."""
+
+    def figure(key: str, spec: str) -> str:
+        v, ci = fid.get(key), fid.get(f"{key}_ci95")
+        if not isinstance(v, (int, float)):
+            return "—"
+        has_ci = isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci)
+        return f"{v:{spec}}" + (f" [{ci[0]:{spec}}, {ci[1]:{spec}}]" if has_ci else "")
+
+    text = f"mean next-token KL divergence {figure('kl_mean', '.2g')}, top-1 agreement {figure('top1_agreement', '.4f')}"
+    if isinstance(fid.get("ppl"), (int, float)):
+        base = fid.get("ppl_baseline")
+        text += f", perplexity {figure('ppl', '.4g')} (baseline {f'{base:.4g}' if isinstance(base, (int, float)) else '—'}"
+        text += f", ratio {figure('ppl_ratio', '.4f')})" if isinstance(fid.get("ppl_ratio"), (int, float)) else ")"
+    n, w, source = fid.get("n_tokens"), fid.get("n_windows"), fid.get("source")
+    if isinstance(n, int):
+        text += f"; {n} tokens" + {"documents": f" of held-out documents in {w} windows", "validation": f" of {w} validation references"}.get(source, "")
+    if fid.get("ci_method"):
+        text += f"; 95% intervals: {fid['ci_method']}"
+    return text

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 def check_gates(gates: Gates, metrics: dict) -> list[str]:
     """Sentences naming each gate the metrics fail; [] when all pass (and for the baseline itself).
 
+    A gate is checked on the 95% interval's bound, so an artifact passes only when the whole interval lies on
+    the right side of it: min_recovery and min_recovery_per_task on the recovery's lower bound (the paired
+    bootstrap), max_kl on the KL's upper bound and min_top1_agreement on the agreement's lower bound (the
+    bootstrap over windows). Where a figure has no interval its estimate is compared, and a failure says so.
     min_recovery applies to every compared task metric (validation included); an entry of
     min_recovery_per_task replaces it for that task. A gate that cannot be checked (no comparison,
     recovery undefined because the baseline scored 0, no fidelity figures) fails: a release gate
@@ -42,21 +46,43 @@ def check_gates(gates: Gates, metrics: dict) -> list[str]:
                     f"{c['task']} {c['metric']} recovery is undefined (baseline {_fmt(c.get('baseline'))}, artifact "
                     f"{_fmt(c.get('artifact'))}), so {gate} {floor:g} cannot be checked; use a task the baseline scores on"
                 )
-            elif r < floor:
-                ci = c.get("ci95")
-                ci_txt = f" (95% CI {ci[0]:.3f}-{ci[1]:.3f}, n={c.get('n')})" if ci and None not in ci else ""
-                failures.append(f"{c['task']} {c['metric']} recovery {r:.3f}{ci_txt} < {gate} {floor:g}")
-    fid = metrics.get("fidelity")
-    for gate, key, worse in (("max_kl", "kl_mean", lambda v, lim: v > lim), ("min_top1_agreement", "top1_agreement", lambda v, lim: v < lim)):
+                continue
+            fail = _bound_fails(f"{c['task']} {c['metric']} recovery", r, c.get("ci95"), f"n={c.get('n')}", "lower", gate, floor, ".3f")
+            if fail:
+                failures.append(fail)
+    fid = metrics.get("fidelity") or {}
+    for gate, key, side in (("max_kl", "kl_mean", "upper"), ("min_top1_agreement", "top1_agreement", "lower")):
         lim = getattr(gates, gate)
         if lim is None:
             continue
-        value = (fid or {}).get(key)
+        value = fid.get(key)
         if value is None:
-            failures.append(f"{gate} {lim:g} cannot be checked: no fidelity figures (they need evaluation.validation prompts)")
-        elif worse(value, lim):
-            failures.append(f"{key} {value:.4g} {'>' if gate == 'max_kl' else '<'} {gate} {lim:g}")
+            failures.append(f"{gate} {lim:g} cannot be checked: no fidelity figures (they need evaluation.fidelity documents or "
+                            "evaluation.validation references)")
+            continue
+        where = f"{fid['n_windows']} {'validation rows' if fid.get('source') == 'validation' else 'windows'}" if fid.get("n_windows") else ""
+        fail = _bound_fails(key, value, fid.get(f"{key}_ci95"), where, side, gate, lim, ".4g")
+        if fail:
+            failures.append(fail)
     return failures
+
+
+def _bound_fails(figure: str, value: float, ci, n_text: str, side: str, gate: str, limit: float, spec: str) -> str | None:
+    """The failure sentence of a gate checked on the interval's `side` bound ("lower": at least `limit`; "upper": at
+    most), or on the estimate where there is no interval; None when it passes."""
+
+    def worse(v: float) -> bool:
+        return v > limit if side == "upper" else v < limit
+
+    rel = "above" if side == "upper" else "below"
+    if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and None not in ci):
+        return f"{figure} {value:{spec}} is {rel} {gate} {limit:g} (no interval was measured, so the estimate is compared)" if worse(value) else None
+    bound = ci[1] if side == "upper" else ci[0]
+    if not (worse(bound) or worse(value)):
+        return None
+    what = f"the {side} bound" if worse(bound) else "the estimate"  # the estimate itself outside: an interval that does not bracket it
+    ci_text = f"95% CI {ci[0]:{spec}}-{ci[1]:{spec}}" + (f", {n_text}" if n_text else "")
+    return f"{figure} {value:{spec}} ({ci_text}): {what} is {rel} {gate} {limit:g}"
 
 
 def _fmt(v) -> str:

@@ -33,6 +33,7 @@ from .schema import (
     CalibrationSource,
     Engine,
     Evaluation,
+    Fidelity,
     Gates,
     LmEval,
     Package,
@@ -44,6 +45,6 @@ from .schema import (
 
 __all__ = [
     "AWQ", "FP8", "GPTQ", "GROUPED", "HUB_ID", "MAX_RECIPE_BYTES", "METHODS", "NAME", "RTN", "SLO", "Adapter", "Artifact", "Base",
-    "Benchmark", "Calibration", "CalibrationSource", "Engine", "Evaluation", "Gates", "LmEval", "Package", "Recipe", "RecipeError",
+    "Benchmark", "Calibration", "CalibrationSource", "Engine", "Evaluation", "Fidelity", "Gates", "LmEval", "Package", "Recipe", "RecipeError",
     "Strict", "Validation", "Variant", "W8A8Int8", "Workload", "_legacy_options", "group_sizes", "json_schema", "load", "parse",
 ]

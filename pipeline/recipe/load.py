@@ -162,6 +162,9 @@ def _resolve_paths(data: dict, root: Path) -> dict:
             for k in ("path", "json_schema"):
                 if isinstance(val.get(k), str):
                     val[k] = fix(val[k], f"evaluation.validation.{k}")
+        fid = ev.get("fidelity")
+        if isinstance(fid, dict) and isinstance(fid.get("path"), str):
+            fid["path"] = fix(fid["path"], "evaluation.fidelity.path")
     for k in ("output_dir", "cache_dir"):
         if isinstance(data.get(k), str):
             data[k] = fix(data[k], k)
@@ -224,6 +227,8 @@ def _check_files(r: Recipe) -> list[str]:
             problems.append(f"evaluation.validation.path: {ev.validation.path} does not exist")
         if ev.validation.json_schema and not Path(ev.validation.json_schema).is_file():
             problems.append(f"evaluation.validation.json_schema: {ev.validation.json_schema} does not exist")
+    if ev.fidelity and not Path(ev.fidelity.path).is_file():
+        problems.append(f"evaluation.fidelity.path: {ev.fidelity.path} does not exist; point it at a JSONL file of held-out documents, one {{\"text\": ...}} per line")
     return problems
 
 

@@ -111,30 +111,63 @@ class Validation(Strict):
     json_schema: str | None = Field(None, description="JSON schema file the output must match (metric json_valid).")
 
 
+class Fidelity(Strict):
+    path: str = Field(description="JSONL of held-out documents, one `{\"text\": ...}` per line, on which the artifact's next-token "
+                                  "distributions are compared with the baseline's (KL, top-1 agreement, perplexity).")
+    max_tokens: int = Field(20_000, ge=32, le=10_000_000, description=(
+        "Token budget: the documents are tokenized (BOS by the tokenizer's rule), concatenated and cut into windows of "
+        "`seq_len` tokens until this many tokens are taken; a shorter text gives fewer windows."))
+    seq_len: int = Field(256, ge=16, le=131_072, description=(
+        "Tokens per window. Every position after a window's first is scored; the 95% intervals resample windows, "
+        "not tokens, because tokens within a window are correlated."))
+
+    @model_validator(mode="after")
+    def _two_windows(self):
+        if self.max_tokens < 2 * self.seq_len:
+            raise ValueError(f"max_tokens {self.max_tokens} holds fewer than two windows of seq_len {self.seq_len} (the intervals "
+                             f"resample windows); raise max_tokens to at least {2 * self.seq_len} or lower seq_len")
+        return self
+
+
 class Gates(Strict):
-    min_recovery: float | None = Field(None, gt=0, le=2, description="Every task metric: artifact/baseline at least this.")
-    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(default_factory=dict)
-    max_kl: float | None = Field(None, ge=0, description="Mean next-token KL divergence vs the baseline at most this.")
-    min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    """Each gate is checked on the 95% interval's bound, not the estimate: an artifact passes only when the interval lies
+    on the right side of the gate (where a figure has no interval, its estimate is compared and the failure says so)."""
+
+    min_recovery: float | None = Field(None, gt=0, le=2, description=(
+        "Every task metric: artifact/baseline at least this, checked on the lower bound of the recovery's paired-bootstrap 95% CI."))
+    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(default_factory=dict, description=(
+        "Per task (lm-eval task name, or `validation`): replaces min_recovery for that task; checked on the lower bound as well."))
+    max_kl: float | None = Field(None, ge=0, description=(
+        "Mean next-token KL divergence vs the baseline at most this, checked on the upper bound of its 95% interval "
+        "(bootstrap over windows). Needs evaluation.fidelity or evaluation.validation."))
+    min_top1_agreement: float | None = Field(None, ge=0, le=1, description=(
+        "Share of positions where the artifact's top token is the baseline's, at least this, checked on the lower bound of "
+        "its 95% interval. Needs evaluation.fidelity or evaluation.validation."))
 
 
 class Evaluation(Strict):
     lm_eval: LmEval | None = None
     validation: Validation | None = None
+    fidelity: Fidelity | None = Field(None, description=(
+        "Held-out documents for the fidelity figures (KL, top-1 agreement, perplexity vs the baseline). Unset: they are "
+        "measured on the reference tokens of the validation rows."))
     add_bos: bool | None = Field(
         None, description="Prepend BOS to raw-text prompts (lm-eval, validation, fidelity). None: the tokenizer's own rule, as vLLM and lm-eval do."
     )
     gates: Gates = Gates()
-    bootstrap_samples: int = Field(1000, ge=100, le=100_000)
+    bootstrap_samples: int = Field(1000, ge=100, le=100_000, description=(
+        "Resamples of every 95% interval of the evaluate stage (fixed seed): recovery, paired over examples; fidelity, over "
+        "windows (validation rows without evaluation.fidelity)."))
 
     @model_validator(mode="after")
     def _gates_can_be_checked(self):
         # A gate with nothing to measure would fail every artifact after the whole run (quantpipe.common.gates): say so now.
         g = self.gates
-        if self.validation is None:
+        if self.validation is None and self.fidelity is None:
             for key in ("max_kl", "min_top1_agreement"):
                 if getattr(g, key) is not None:
-                    raise ValueError(f"gates.{key} compares next-token distributions on the validation prompts: add evaluation.validation, or remove the gate")
+                    raise ValueError(f"gates.{key} compares next-token distributions with the baseline's: add evaluation.validation "
+                                     "(scored on its references) or evaluation.fidelity (held-out documents), or remove the gate")
         if self.lm_eval is None and self.validation is None and (g.min_recovery is not None or g.min_recovery_per_task):
             raise ValueError("gates.min_recovery needs something evaluated: add evaluation.lm_eval or evaluation.validation, or remove the gate")
         if self.lm_eval is None:

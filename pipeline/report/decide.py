@@ -233,7 +233,10 @@ def _sentence(c: dict, r: dict | None, figure: str, decided_by: str, slo: dict, 
             fid = f"it agrees more often with the baseline's top token ({_fid(c, 'top1_agreement')} against {_fid(r, 'top1_agreement')})"
         text = f"{tie_head} is {band} `{r['artifact']}`'s {_with_ci(r, figure)}, so fidelity decides: {fid}"
     else:
-        text = (f"{tie_head} is {band} `{r['artifact']}`'s {_with_ci(r, figure)} and their fidelity is the same, "
+        same = "their fidelity is the same"
+        if interval(c, "kl_mean") or interval(r, "kl_mean"):  # equal within the evaluate stage's intervals, not equal
+            same += f" within its 95% intervals (KL {_fid(c, 'kl_mean')} against {_fid(r, 'kl_mean')})"
+        text = (f"{tie_head} is {band} `{r['artifact']}`'s {_with_ci(r, figure)} and {same}, "
                 f"so the smaller one is chosen ({human_bytes(c['size_bytes'])} against {human_bytes(r['size_bytes'])})")
     if unranked:
         names = ", ".join(f"`{x['artifact']}`" for x in unranked)

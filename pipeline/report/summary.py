@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..common.fmt import fidelity_text
 from .decide import recommend, ties
 from .kernels import serving_info
 from .records import (
@@ -67,7 +68,9 @@ def summarize(record: dict) -> dict:
             "worst_task": f"{worst['task']}/{worst['metric']}" if worst and not is_base else None,
             "validation": val, "validation_recovery": 1.0 if is_base and val else val_rec,
             "kl_mean": _num(fid.get("kl_mean")), "top1_agreement": _num(fid.get("top1_agreement")), "ppl": _num(fid.get("ppl")),
-            "kl_ci": _pair(fid.get("kl_mean_ci95")), "top1_ci": _pair(fid.get("top1_agreement_ci95")),
+            "kl_ci": _pair(fid.get("kl_mean_ci95")), "top1_ci": _pair(fid.get("top1_agreement_ci95")), "ppl_ci": _pair(fid.get("ppl_ci95")),
+            "ppl_baseline": _num(fid.get("ppl_baseline")), "ppl_ratio": _num(fid.get("ppl_ratio")), "ppl_ratio_ci": _pair(fid.get("ppl_ratio_ci95")),
+            "fidelity": _fidelity_basis(fid), "fidelity_text": fidelity_text(fid) if _num(fid.get("kl_mean")) is not None else None,
             "gate": "—" if is_base else art.get("gate", "NOT RUN"), "gate_failures": _l(art.get("gate_failures")),
             "latency_s_batch1": lat,
             "throughput_tok_s": _num(offline.get("throughput_tok_s")) if _num(offline.get("throughput_tok_s")) is not None else (max(out_tps) if out_tps else None),
@@ -130,6 +133,14 @@ def _lora(record: dict) -> dict | None:
              **{k: _num(c.get(k)) for k in ("output_throughput_ratio", "ttft_p50_ratio", "tpot_p50_ratio")}}
             for c in _l(lora.get("comparison")) if isinstance(c, dict)]
     return {"servable": lora.get("servable"), "reason": _s(lora.get("reason")), "rows": rows}
+
+
+def _fidelity_basis(fid: dict) -> dict | None:
+    """What the fidelity figures rest on: how many tokens, in how many windows, of which text, and how their intervals were made."""
+    if _num(fid.get("n_tokens")) is None:
+        return None
+    return {"n_tokens": _int(fid.get("n_tokens")), "n_windows": _int(fid.get("n_windows")), "source": _s(fid.get("source")),
+            "ci_method": _s(fid.get("ci_method")), "kl_support": _s(fid.get("kl_support"))}
 
 
 def _recovery_interval(c: dict, hw: float) -> list[float]:

@@ -46,7 +46,7 @@ def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, 
         method = "none" if artifact == "baseline" else _artifact(r, artifact).method
         backend = backend or lm_eval_backend(ev.lm_eval)
         return EvaluateInput(artifact=artifact, method=method, backend=backend, base=base, lm_eval=ev.lm_eval, validation=ev.validation,
-                             add_bos=ev.add_bos, bootstrap_samples=ev.bootstrap_samples)
+                             fidelity=ev.fidelity, add_bos=ev.add_bos, bootstrap_samples=ev.bootstrap_samples)
     if kind == "benchmark":
         method = "none" if artifact == "baseline" else _artifact(r, artifact).method
         lora = artifact == "baseline" and r.benchmark.lora
@@ -74,7 +74,7 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
     """The stages of a recipe, in the order they run, each with its input."""
     r = recipe
     ev = r.evaluation
-    evaluate = ev.lm_eval is not None or ev.validation is not None
+    evaluate = ev.lm_eval is not None or ev.validation is not None or ev.fidelity is not None
     backend = lm_eval_backend(ev.lm_eval)  # auto: vllm where a CUDA GPU is present, else hf
 
     def step(sid, kind, artifact, src, refs=None, env_of=None):
@@ -110,7 +110,7 @@ def local_paths(recipe: Recipe, base_dir: str) -> set[str]:
     paths = {base_dir, *(a.path for a in recipe.adapters)}
     paths |= {s.path for s in (recipe.calibration.sources if recipe.calibration else []) if s.path}
     paths |= {p for p in (ev.validation.path if ev.validation else None, ev.validation.json_schema if ev.validation else None,
-                          ev.lm_eval.include_path if ev.lm_eval else None) if p}
+                          ev.lm_eval.include_path if ev.lm_eval else None, ev.fidelity.path if ev.fidelity else None) if p}
     if recipe.base.is_local:
         paths.add(recipe.base.model)
     return paths

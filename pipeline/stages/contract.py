@@ -16,7 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..recipe import Adapter, Artifact, Base, Benchmark, Calibration, Gates, LmEval, Package, Strict, Validation
+from ..recipe import (
+    Adapter,
+    Artifact,
+    Base,
+    Benchmark,
+    Calibration,
+    Fidelity,
+    Gates,
+    LmEval,
+    Package,
+    Strict,
+    Validation,
+)
 
 
 class MergeInput(Strict):
@@ -37,6 +49,7 @@ class EvaluateInput(Strict):
     base: Base
     lm_eval: LmEval | None = None
     validation: Validation | None = None
+    fidelity: Fidelity | None = None  # held-out documents; None: fidelity on the validation references
     add_bos: bool | None = None
     bootstrap_samples: int = 1000
 

@@ -2,9 +2,11 @@
 
 The unquantized merged model (`baseline`) and each quantized artifact go through exactly the same
 code with the same settings: lm-eval (its Python API, `simple_evaluate`), the user's validation set
-(greedy generation, scored per row), and, for artifacts, token-level fidelity against the baseline on
-the validation prompts (perplexity of the references, mean KL divergence of the next-token
-distributions, top-1 agreement). Per-example scores are kept (`per_example.json`) so that an
+(greedy generation, scored per row), and, for artifacts, token-level fidelity against the baseline
+(fidelity.py: mean KL divergence of the next-token distributions, top-1 agreement, perplexity and its
+ratio to the baseline's) on held-out documents cut into windows (`evaluation.fidelity`), else on the
+references of the validation rows, each figure with a 95% interval by a bootstrap over windows (rows),
+since tokens within one are correlated. Per-example scores are kept (`per_example.json`) so that an
 artifact's stage can pair them with the baseline's: recovery (artifact/baseline) with a paired
 bootstrap 95% CI, and the flip rate. `quantpipe.common.gates` turns those figures into a release decision.
 
@@ -29,7 +31,7 @@ where a CUDA GPU is present, else hf):
   the engine starts (use hf for it).
 BOS is passed explicitly as the tokenizer's own rule, and an artifact whose tokenizer, BOS rule, chat
 template, backend or evaluation settings differ from the baseline's is refused rather than compared.
-Fidelity needs `evaluation.validation` (its prompts and references).
+Fidelity needs `evaluation.fidelity` (documents) or `evaluation.validation` (its prompts and references).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import StageError
 from .compare import BOOTSTRAP_SEED, Scores, compare, compare_all
+from .fidelity import load_documents
+from .fidelity import settings as fidelity_settings
 from .harness import import_lm_eval
 from .validation import METRICS, load_validation, schema_errors, score_output
 from .vllm import VLLM_LOGPROBS, kl_topk
@@ -50,7 +54,8 @@ from .vllm import VLLM_LOGPROBS, kl_topk
 if TYPE_CHECKING:
     from ..contract import EvaluateInput, Upstream
 
-__all__ = ["run", "load_validation", "score_output", "schema_errors", "compare", "kl_topk", "METRICS", "BOOTSTRAP_SEED", "VLLM_LOGPROBS"]
+__all__ = ["run", "load_validation", "load_documents", "score_output", "schema_errors", "compare", "kl_topk", "METRICS", "BOOTSTRAP_SEED",
+           "VLLM_LOGPROBS"]
 
 PROBE = "Hello world! 12 + 30 = 42.\nThe end."  # tokenized by baseline and artifact: must give the same ids
 
@@ -60,8 +65,8 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream])
 
     An artifact's stage reads `upstream["baseline_model"].out` (the merged model) and
     `upstream["baseline_eval"].out` (the baseline's evaluate output); the baseline's gets {}."""
-    if inp.lm_eval is None and inp.validation is None:
-        raise StageError("evaluation has neither `lm_eval` nor `validation`; add one of them or drop the evaluate stage")
+    if inp.lm_eval is None and inp.validation is None and inp.fidelity is None:
+        raise StageError("evaluation has none of `lm_eval`, `validation` and `fidelity`; add one of them or drop the evaluate stage")
     is_artifact = inp.artifact != "baseline"
     baseline_model = baseline_eval = None
     if is_artifact:
@@ -83,6 +88,8 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream])
     src, out = Path(src), Path(out)
     v = inp.validation
     rows = load_validation(v.path, v.metric, v.json_schema) if v else None
+    if inp.fidelity is not None:
+        load_documents(inp.fidelity.path)  # a bad line fails here, before any model loads
 
     import torch
 
@@ -151,13 +158,16 @@ def _settings(inp: EvaluateInput, tok, device: str) -> dict:
             "chat_template_sha256": hashlib.sha256(chat.encode()).hexdigest()[:16] if isinstance(chat, str) else None,
         },
         "validation": None, "bootstrap_samples": inp.bootstrap_samples, "bootstrap_seed": BOOTSTRAP_SEED,
+        "fidelity": fidelity_settings(inp) if inp.fidelity or inp.validation else None,
     }
     if inp.validation:
         v = inp.validation
         s["validation"] = {"metric": v.metric, "max_new_tokens": v.max_new_tokens, "stop": list(v.stop), "decoding": "greedy", "batch_size": le.batch_size if le else 8, "padding": "left", "json_schema": v.json_schema,
                            "fidelity_reference": "prompt + (' ' if neither side has whitespace at the join) + reference; loss on reference tokens"}
-        if inp.backend == "vllm":  # one generate call, vLLM schedules the batches; KL from prompt logprobs (see vllm.fidelity_topk)
-            s["validation"].update(batch_size=None, padding=None, fidelity_kl=f"baseline top-{VLLM_LOGPROBS} tokens + one bucket for the rest")
+        if inp.backend == "vllm":  # one generate call, vLLM schedules the batches
+            s["validation"].update(batch_size=None, padding=None)
+    if s["fidelity"] and inp.backend == "vllm":  # KL from prompt logprobs (see vllm.fidelity_topk)
+        s["fidelity"]["kl"] = f"baseline top-{VLLM_LOGPROBS} tokens + one bucket for the rest"
     return s
 
 

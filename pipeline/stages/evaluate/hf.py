@@ -1,22 +1,23 @@
 """The hf backend: lm-eval's hf model, then greedy validation and full-vocabulary fidelity through transformers.
 
 transformers reads every artifact (it decompresses compressed-tensors), so this backend evaluates any
-scheme on any machine. For an artifact, the baseline model is loaded next to it and both score the
-reference tokens of each validation row: KL over the whole vocabulary, top-1 agreement, perplexity.
+scheme on any machine. For an artifact, the baseline model is loaded next to it and both score the same
+tokens (the fidelity documents' windows, else the validation references; see fidelity.py): KL over the
+whole vocabulary, top-1 agreement, perplexity, each with a 95% interval by a bootstrap over sequences.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from pathlib import Path
 
 from .. import StageError
 from .compare import Scores
+from .fidelity import sequences, source, summarize
 from .harness import hf_model_args, run_lm_eval
-from .validation import continuation, encode_prompt, output_text, score_validation
+from .validation import encode_prompt, output_text, score_validation
 
 log = logging.getLogger(__name__)
 
@@ -31,22 +32,29 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
         free()  # lm-eval's model copy, before the next one loads
         log.info("%s: lm-eval %s in %.1fs", inp.artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
+    fidelity_seqs = None
+    if baseline_model is not None and (inp.fidelity is not None or rows is not None):
+        fidelity_seqs = sequences(inp, tok, rows, settings["add_bos"])  # before any model loads: a short text fails fast
+    if rows is None and fidelity_seqs is None:
+        return lm_metrics, validation, fidelity
+    model = load_model(src, inp.base.dtype, inp.base.trust_remote_code, settings["device"])
     if rows is not None:
-        model = load_model(src, inp.base.dtype, inp.base.trust_remote_code, settings["device"])
         t0 = time.perf_counter()
         texts = generate(model, tok, rows, inp.validation, settings)
         validation = score_validation(rows, texts, inp.validation, out, scores)
         timings["validation_s"] = round(time.perf_counter() - t0, 2)
-        if baseline_model is not None:
-            t0 = time.perf_counter()
-            ref_model = load_model(baseline_model, inp.base.dtype, inp.base.trust_remote_code, settings["device"])
-            fidelity = fidelity_full(ref_model, model, tok, rows, settings)
-            timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
-            del ref_model
-            log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
-        del model
-        free()
         log.info("%s: validation %s", inp.artifact, json.dumps(validation))
+    if fidelity_seqs is not None:
+        t0 = time.perf_counter()
+        ref_model = load_model(baseline_model, inp.base.dtype, inp.base.trust_remote_code, settings["device"])
+        fidelity = summarize(fidelity_full(ref_model, model, fidelity_seqs), inp.bootstrap_samples, *source(inp))
+        if fidelity is not None:
+            fidelity["kl_support"] = "full vocabulary"
+        timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
+        del ref_model
+        log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
+    del model
+    free()
     return lm_metrics, validation, fidelity
 
 
@@ -96,31 +104,19 @@ def generate(model, tok, rows: list[dict], cfg, settings: dict) -> list[str]:
     return texts
 
 
-def fidelity_full(ref_model, model, tok, rows: list[dict], settings: dict) -> dict | None:
-    """KL(baseline || artifact), top-1 agreement and perplexity over the reference tokens of each row."""
+def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]]) -> list[dict]:
+    """Per sequence (ids, first scored position): the sums of KL(baseline || artifact) over the whole vocabulary, top-1
+    agreements and negative log-likelihoods of the scored tokens, with their count (fidelity.summarize takes them)."""
     import torch
 
-    kl_sum = agree = n = 0
-    nll_a = nll_b = 0.0
+    out = []
     with torch.inference_mode():
-        for row in rows:
-            if not row.get("reference"):
-                continue
-            p = encode_prompt(tok, row, settings["add_bos"])
-            r = tok(continuation(row), add_special_tokens=False)["input_ids"]
-            if not r:
-                continue
-            x = torch.tensor([p + r], device=model.device)
-            sl = slice(len(p) - 1, len(p) + len(r) - 1)  # positions that predict the reference tokens
+        for ids, start in seqs:
+            x = torch.tensor([ids], device=model.device)
+            sl = slice(start - 1, len(ids) - 1)  # positions that predict the scored tokens
             lb = torch.log_softmax(ref_model(x).logits[0, sl].float(), dim=-1)
             la = torch.log_softmax(model(x).logits[0, sl].float(), dim=-1)
-            target = torch.tensor(r, device=model.device)
-            kl_sum += float((lb.exp() * (lb - la)).sum(dim=-1).clamp_min(0).sum())
-            agree += int((lb.argmax(-1) == la.argmax(-1)).sum())
-            nll_b -= float(lb.gather(1, target[:, None]).sum())
-            nll_a -= float(la.gather(1, target[:, None]).sum())
-            n += len(r)
-    if n == 0:
-        return None
-    return {"kl_mean": kl_sum / n, "top1_agreement": agree / n, "ppl": math.exp(nll_a / n), "ppl_baseline": math.exp(nll_b / n), "n_tokens": n,
-            "kl_support": "full vocabulary"}
+            target = torch.tensor(ids[start:], device=model.device)[:, None]
+            out.append({"kl": float((lb.exp() * (lb - la)).sum(dim=-1).clamp_min(0).sum()), "agree": int((lb.argmax(-1) == la.argmax(-1)).sum()),
+                        "nll": -float(la.gather(1, target).sum()), "nll_baseline": -float(lb.gather(1, target).sum()), "n": len(ids) - start})
+    return out

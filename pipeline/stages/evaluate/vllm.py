@@ -1,9 +1,9 @@
 """The vllm backend: one engine for lm-eval, the validation set and the fidelity logprobs (serve environment).
 
 lm-eval's own vllm model is built as `lm_eval --model vllm --model_args ...` builds it, so its figures are
-the CLI's; its engine then generates the validation outputs (greedy) and gives the prompt logprobs of
-the references. The baseline keeps those logprobs (`fidelity_reference.json`) and an artifact's stage
-compares against them. vLLM returns the top VLLM_LOGPROBS logprobs per position, so the KL is over
+the CLI's; its engine then generates the validation outputs (greedy) and gives the prompt logprobs of the
+fidelity tokens (the documents' windows, else the validation references; see fidelity.py). The baseline
+keeps those logprobs (`fidelity_reference.json`) and an artifact's stage compares against them. vLLM returns the top VLLM_LOGPROBS logprobs per position, so the KL is over
 those plus one bucket for the rest (`kl_topk`: a lower bound of the full KL); top-1 agreement and
 perplexity are exact. vLLM is imported inside the functions, so this module loads in any environment.
 """
@@ -19,8 +19,9 @@ from pathlib import Path
 
 from .. import StageError
 from .compare import Scores
+from .fidelity import sequences, source, summarize
 from .harness import run_lm_eval
-from .validation import continuation, encode_prompt, output_text, score_validation
+from .validation import encode_prompt, output_text, score_validation
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +55,19 @@ def run_vllm(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: 
         validation = score_validation(rows, texts, inp.validation, out, scores)
         timings["validation_s"] = round(time.perf_counter() - t0, 2)
         log.info("%s: validation %s", inp.artifact, json.dumps(validation))
+    if rows is not None or inp.fidelity is not None:
         t0 = time.perf_counter()
-        mine = reference_logprobs(lm.model, tok, rows, settings)
+        mine = prompt_logprobs(lm.model, sequences(inp, tok, rows, settings["add_bos"]))
         if baseline_eval is None:  # the baseline keeps its logprobs for the artifacts' stages
-            (out / "fidelity_reference.json").write_text(json.dumps({"logprobs": VLLM_LOGPROBS, "rows": mine}))
+            (out / "fidelity_reference.json").write_text(json.dumps({"logprobs": VLLM_LOGPROBS, "sequences": mine}))
         else:
             try:
-                ref = json.loads((Path(baseline_eval) / "fidelity_reference.json").read_text())
-            except (OSError, ValueError) as e:
-                raise StageError(f"baseline_eval {baseline_eval}: no readable fidelity_reference.json ({e}); re-run evaluate:baseline with backend vllm (--force evaluate)") from None
-            fidelity = fidelity_topk(ref["rows"], mine)
+                ref = json.loads((Path(baseline_eval) / "fidelity_reference.json").read_text())["sequences"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise StageError(f"baseline_eval {baseline_eval}: no readable fidelity_reference.json ({e!r}); re-run evaluate:baseline with backend vllm (--force evaluate)") from None
+            fidelity = summarize(fidelity_topk(ref, mine), inp.bootstrap_samples, *source(inp))
+            if fidelity is not None:
+                fidelity["kl_support"] = f"top-{VLLM_LOGPROBS} logprobs per position + one bucket for the rest (a lower bound of the full KL)"
             log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
         timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
     return lm_metrics, validation, fidelity
@@ -133,30 +137,22 @@ def lm_eval_command(le, model_args: dict) -> str:
     return " ".join(cmd)
 
 
-def reference_logprobs(llm, tok, rows: list[dict], settings: dict) -> list[list[dict] | None]:
-    """Per row (None without a reference), per reference token: its id and logprob, and the top logprobs of its position."""
+def prompt_logprobs(llm, seqs: list[tuple[list[int], int]]) -> list[list[dict]]:
+    """Per sequence (ids, first scored position), per scored token: its id and logprob, and the top logprobs of its position."""
     from vllm import SamplingParams, TokensPrompt
 
-    todo = []
-    for i, row in enumerate(rows):
-        if not row.get("reference"):
-            continue
-        p = encode_prompt(tok, row, settings["add_bos"])
-        r = tok(continuation(row), add_special_tokens=False)["input_ids"]
-        if r:
-            todo.append((i, p, r))
-    result: list[list[dict] | None] = [None] * len(rows)
-    if not todo:
-        return result
+    if not seqs:
+        return []
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=VLLM_LOGPROBS, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p + r) for _, p, r in todo], params, use_tqdm=False)
-    for (i, p, r), o in zip(todo, outs):
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in seqs], params, use_tqdm=False)
+    result = []
+    for (ids, start), o in zip(seqs, outs):
         positions = []
-        for j, target in enumerate(r):
-            d = o.prompt_logprobs[len(p) + j]  # the position that predicts reference token j
+        for j in range(start, len(ids)):
+            d = o.prompt_logprobs[j]  # the position that predicts token j
             top = sorted(((int(t), float(lp.logprob)) for t, lp in d.items() if lp.rank is not None and lp.rank <= VLLM_LOGPROBS), key=lambda x: -x[1])
-            positions.append({"target": int(target), "target_logprob": float(d[target].logprob), "top": top})
-        result[i] = positions
+            positions.append({"target": int(ids[j]), "target_logprob": float(d[ids[j]].logprob), "top": top})
+        result.append(positions)
     return result
 
 
@@ -176,24 +172,22 @@ def kl_topk(p: dict[int, float], q: dict[int, float]) -> float:
     return max(kl, 0.0)
 
 
-def fidelity_topk(base: list, mine: list) -> dict | None:
-    """KL(baseline || artifact) (over each position's top logprobs, see kl_topk), top-1 agreement and perplexity
-    of the reference tokens, from the vLLM prompt logprobs of both (top-1 and perplexity are exact)."""
-    if len(base) != len(mine) or any((b is None) != (a is None) or (b and [x["target"] for x in b] != [x["target"] for x in a]) for b, a in zip(base, mine)):
-        raise StageError("the baseline's fidelity logprobs are for other reference tokens than this artifact's; re-run evaluate:baseline (--force evaluate)")
-    kl_sum = 0.0
-    agree = n = 0
-    nll_a = nll_b = 0.0
-    for b_row, a_row in zip(base, mine):
-        for b, a in zip(b_row or [], a_row or []):
+def fidelity_topk(base: list, mine: list) -> list[dict]:
+    """Per sequence, the sums of KL(baseline || artifact) (over each position's top logprobs, see kl_topk), top-1 agreements
+    and negative log-likelihoods of the scored tokens, with their count, from the vLLM prompt logprobs of both (top-1
+    agreement and perplexity are exact); fidelity.summarize takes them."""
+    if len(base) != len(mine) or any([x["target"] for x in b] != [x["target"] for x in a] for b, a in zip(base, mine)):
+        raise StageError("the baseline's fidelity logprobs are for other tokens than this artifact's; re-run evaluate:baseline (--force evaluate)")
+    out = []
+    for b_seq, a_seq in zip(base, mine):
+        kl = nll_a = nll_b = 0.0
+        agree = 0
+        for b, a in zip(b_seq, a_seq):
             pb = {int(t): lp for t, lp in b["top"]} | {b["target"]: b["target_logprob"]}
             pa = {int(t): lp for t, lp in a["top"]} | {a["target"]: a["target_logprob"]}
-            kl_sum += kl_topk(pb, pa)
+            kl += kl_topk(pb, pa)
             agree += int(b["top"][0][0] == a["top"][0][0])
             nll_b -= b["target_logprob"]
             nll_a -= a["target_logprob"]
-            n += 1
-    if n == 0:
-        return None
-    return {"kl_mean": kl_sum / n, "top1_agreement": agree / n, "ppl": math.exp(nll_a / n), "ppl_baseline": math.exp(nll_b / n), "n_tokens": n,
-            "kl_support": f"top-{VLLM_LOGPROBS} logprobs per position + one bucket for the rest (a lower bound of the full KL)"}
+        out.append({"kl": kl, "agree": agree, "nll": nll_a, "nll_baseline": nll_b, "n": len(b_seq)})
+    return out

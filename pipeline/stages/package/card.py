@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from ...common.fmt import fmt, human_bytes, md_cell
+from ...common.fmt import fidelity_text, fmt, human_bytes, md_cell
 from ...common.gates import check_gates
 from ..contract import PackageInput
 
@@ -78,7 +78,8 @@ def card_context(inp: PackageInput, config: dict, stages: dict, weights: dict) -
         "eval": {
             "comparison": ev.get("comparison") or [],
             "validation": ev.get("validation"), "baseline_validation": bev.get("validation"),
-            "fidelity": ev.get("fidelity"), "settings": ev.get("settings") or {},
+            "fidelity": ev.get("fidelity"), "fidelity_text": fidelity_text(ev["fidelity"]) if ev.get("fidelity") else None,
+            "settings": ev.get("settings") or {},
         },
         "gates": gates,
         "bench": {
