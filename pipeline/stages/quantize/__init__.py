@@ -10,7 +10,7 @@ hash. Tokenizer, chat template and generation config are copied from the merged 
     from quantpipe.recipe import load
     from quantpipe.run.plan import stage_input
     from quantpipe.stages.quantize import run
-    run(stage_input("quantize", load("recipes/demo.yaml"), "gptq", base_dir), Path(".tiny/llama-merged"), Path("/tmp/gptq"))
+    run(stage_input("quantize", load("recipes/demo-tiny.yaml"), "gptq", base_dir), Path(".tiny/llama-merged"), Path("/tmp/gptq"))
 
 Methods: awq (AWQModifier + W4A16[_ASYM]), gptq (GPTQModifier W4A16/W8A16), fp8 (FP8_DYNAMIC,
 static FP8, FP8_BLOCK), w8a8-int8 (SmoothQuant + GPTQ W8A8), rtn (QuantizationModifier W4A16/W8A16,
