@@ -298,6 +298,29 @@ def test_awq_pinning_guard():
             cache.pin_memory(0)
 
 
+def test_gptq_solves_on_one_thread_without_an_accelerator_and_gives_the_threads_back():
+    import torch
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    from quantpipe.stages.quantize import cpu_serial_gptq_solve
+
+    seen: list[int] = []
+    original = GPTQModifier.__dict__["compress_modules"]
+    before = torch.get_num_threads()
+    GPTQModifier.compress_modules = lambda self: seen.append(torch.get_num_threads())
+    try:
+        torch.set_num_threads(2)
+        with cpu_serial_gptq_solve() as serial:
+            GPTQModifier.compress_modules(None)
+            assert torch.get_num_threads() == 2  # the calibration forward passes keep their threads
+        GPTQModifier.compress_modules(None)
+        assert serial == (not torch.accelerator.is_available())
+        assert seen == ([1, 2] if serial else [2, 2])
+    finally:
+        GPTQModifier.compress_modules = original
+        torch.set_num_threads(before)
+
+
 # --- recipe -> modifiers (no model) ---------------------------------------------------------------
 
 

@@ -122,6 +122,42 @@ def cpu_safe_awq():
         IntermediatesCache.pin_memory = original
 
 
+@contextlib.contextmanager
+def cpu_serial_gptq_solve():
+    """Run GPTQ's weight updates on one thread when torch has no accelerator.
+
+    GPTQ quantizes each Linear column by column (llm-compressor 0.14's `gptq_block_update`: 4992
+    columns per decoder layer of SmolLM2-135M), each column a few tensor ops on a few thousand numbers.
+    On a CPU torch splits every such op across its intra-op threads, and their synchronisation costs
+    far more than the arithmetic: on 2 AVX-512 cores shared with another busy process, one column
+    took ~1.1 ms with 2 threads and ~0.1 ms with 1, and SmolLM2-135M's solve (W4A16, group 64) 309 s
+    with 2 threads, 33 s with 1. The calibration forward passes, whose matrix products do gain from
+    threads, keep them all; the thread count is restored after each solve. With an accelerator, or one
+    thread already, nothing is touched.
+    """
+    import torch
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    if torch.accelerator.is_available() or torch.get_num_threads() == 1:
+        yield False
+        return
+    original = GPTQModifier.__dict__["compress_modules"]
+
+    def compress_modules(self):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return original(self)
+        finally:
+            torch.set_num_threads(threads)
+
+    GPTQModifier.compress_modules = compress_modules
+    try:
+        yield True
+    finally:
+        GPTQModifier.compress_modules = original
+
+
 def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] | None = None) -> dict:
     """Quantize the model in `src` into `out` (compressed-tensors). Returns metrics for the run log."""
     a = inp.artifact
@@ -164,10 +200,13 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
 
     kwargs = oneshot_kwargs(a, inp, model, tokenizer, dataset)
     guard = cpu_safe_awq() if a.method == "awq" else contextlib.nullcontext(False)
+    solve = cpu_serial_gptq_solve() if a.method in ("gptq", "w8a8-int8") else contextlib.nullcontext(False)
     try:
-        with guard as patched:
+        with guard as patched, solve as serial:
             if patched:
                 log.info("no accelerator: AWQ's activation pinning is skipped (llm-compressor 0.14 CPU workaround)")
+            if serial:
+                log.info("no accelerator: GPTQ's column-by-column weight updates run on one thread")
             oneshot(**kwargs)
     except ValueError as e:
         if "divisible" in str(e):
