@@ -123,39 +123,43 @@ def cpu_safe_awq():
 
 
 @contextlib.contextmanager
-def cpu_serial_gptq_solve():
-    """Run GPTQ's weight updates on one thread when torch has no accelerator.
+def cpu_serial_layer_updates(method: str):
+    """Run GPTQ's and AWQ's per-layer updates on one thread when torch has no accelerator.
 
-    GPTQ quantizes each Linear column by column (llm-compressor 0.14's `gptq_block_update`: 4992
-    columns per decoder layer of SmolLM2-135M), each column a few tensor ops on a few thousand numbers.
-    On a CPU torch splits every such op across its intra-op threads, and their synchronisation costs
-    far more than the arithmetic: on 2 AVX-512 cores shared with another busy process, one column
-    took ~1.1 ms with 2 threads and ~0.1 ms with 1, and SmolLM2-135M's solve (W4A16, group 64) 309 s
-    with 2 threads, 33 s with 1. The calibration forward passes, whose matrix products do gain from
-    threads, keep them all; the thread count is restored after each solve. With an accelerator, or one
-    thread already, nothing is touched.
+    After each decoder layer's calibration pass, GPTQ quantizes every Linear column by column
+    (llm-compressor 0.14's `gptq_block_update`: 4992 columns per layer of SmolLM2-135M) and AWQ
+    searches its smoothing scales, re-running the layer's parts once per grid point; both are many
+    small tensor ops. On a CPU torch splits every op across its intra-op threads, whose
+    synchronisation then costs more than the arithmetic: on 2 AVX-512 cores shared with another busy
+    process one GPTQ column took ~1.1 ms with 2 threads and ~0.1 ms with 1, SmolLM2-135M's GPTQ solve
+    (W4A16, group 64) 309 s against 33 s, and AWQ (n_grid 5, 64 x 128 tokens) ~20 s per layer against
+    ~5 s. The calibration passes keep every thread; the count is restored after each update. With an
+    accelerator, one thread already, or another method, nothing is touched.
     """
     import torch
-    from llmcompressor.modifiers.gptq import GPTQModifier
 
-    if torch.accelerator.is_available() or torch.get_num_threads() == 1:
+    if method not in ("gptq", "w8a8-int8", "awq") or torch.accelerator.is_available() or torch.get_num_threads() == 1:
         yield False
         return
-    original = GPTQModifier.__dict__["compress_modules"]
+    if method == "awq":
+        from llmcompressor.modifiers.transform import AWQModifier as cls
+    else:
+        from llmcompressor.modifiers.gptq import GPTQModifier as cls
+    original = cls.__dict__["on_sequential_epoch_end"]
 
-    def compress_modules(self):
+    def on_sequential_epoch_end(self, *args, **kwargs):
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return original(self)
+            return original(self, *args, **kwargs)
         finally:
             torch.set_num_threads(threads)
 
-    GPTQModifier.compress_modules = compress_modules
+    cls.on_sequential_epoch_end = on_sequential_epoch_end
     try:
         yield True
     finally:
-        GPTQModifier.compress_modules = original
+        cls.on_sequential_epoch_end = original
 
 
 def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] | None = None) -> dict:
@@ -200,13 +204,12 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
 
     kwargs = oneshot_kwargs(a, inp, model, tokenizer, dataset)
     guard = cpu_safe_awq() if a.method == "awq" else contextlib.nullcontext(False)
-    solve = cpu_serial_gptq_solve() if a.method in ("gptq", "w8a8-int8") else contextlib.nullcontext(False)
     try:
-        with guard as patched, solve as serial:
+        with guard as patched, cpu_serial_layer_updates(a.method) as serial:
             if patched:
                 log.info("no accelerator: AWQ's activation pinning is skipped (llm-compressor 0.14 CPU workaround)")
             if serial:
-                log.info("no accelerator: GPTQ's column-by-column weight updates run on one thread")
+                log.info("no accelerator: %s's per-layer updates run on one thread", a.method)
             oneshot(**kwargs)
     except ValueError as e:
         if "divisible" in str(e):
