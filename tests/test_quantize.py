@@ -298,6 +298,34 @@ def test_awq_pinning_guard():
             cache.pin_memory(0)
 
 
+@pytest.mark.parametrize("method", ["gptq", "w8a8-int8", "awq"])
+def test_layer_updates_run_on_one_thread_without_an_accelerator_and_give_the_threads_back(method):
+    import torch
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.transform import AWQModifier
+
+    from quantpipe.stages.quantize import cpu_serial_layer_updates
+
+    cls = AWQModifier if method == "awq" else GPTQModifier
+    seen: list[int] = []
+    original = cls.__dict__["on_sequential_epoch_end"]
+    before = torch.get_num_threads()
+    cls.on_sequential_epoch_end = lambda self, *a, **k: seen.append(torch.get_num_threads())
+    try:
+        torch.set_num_threads(2)
+        with cpu_serial_layer_updates(method) as serial:
+            cls.on_sequential_epoch_end(None, None, None)
+            assert torch.get_num_threads() == 2  # the calibration passes keep their threads
+        cls.on_sequential_epoch_end(None, None, None)
+        assert serial == (not torch.accelerator.is_available())
+        assert seen == ([1, 2] if serial else [2, 2])
+        with cpu_serial_layer_updates("rtn") as serial:
+            assert serial is False
+    finally:
+        cls.on_sequential_epoch_end = original
+        torch.set_num_threads(before)
+
+
 # --- recipe -> modifiers (no model) ---------------------------------------------------------------
 
 

@@ -164,7 +164,7 @@ def test_shipped_recipes_match_the_schema(name):
 def test_shipped_recipes_pass_the_checks_their_missing_files_allow(name):
     """Beyond the schema: their lm-eval tasks exist in the installed lm-eval (built-in ones, or in their include_path where it
     exists here), and their output and cache directories are apart from their inputs. Where every file they name is here
-    (demo.yaml after `make tiny`), the whole `quantpipe check` passes."""
+    (demo-tiny.yaml after `make tiny`, demo.yaml after `make smollm2`), the whole `quantpipe check` passes."""
     from quantpipe import lm_tasks, places
 
     r = load(REPO / "recipes" / name, check_files=False)
