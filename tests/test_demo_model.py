@@ -37,6 +37,7 @@ def _recipe(smollm2, tmp_path: Path, name: str, adapter: bool, artifacts: list[d
     r["calibration"]["sources"] = [{"path": str(smollm2.calibration)}]
     del r["evaluation"]["lm_eval"]
     r["evaluation"]["validation"]["path"] = str(smollm2.validation)
+    r["evaluation"]["fidelity"]["path"] = str(smollm2.fidelity)
     r["benchmark"] = {"enabled": False}
     r["package"] = {"enabled": False}
     path = tmp_path / f"{name}.yaml"
