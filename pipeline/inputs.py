@@ -65,26 +65,28 @@ def _data_problems(recipe, out: list[str]) -> list[str]:
     if le is not None and le.apply_chat_template:
         needs.append("evaluation.lm_eval.apply_chat_template")
     if v is not None:
-        try:
-            if any("messages" in r for r in load_validation(v.path, v.metric, v.json_schema)):
-                needs.append("evaluation.validation.path (rows with `messages`)")
-        except StageError as e:
-            out.append(str(e))
-        except UnicodeDecodeError:
-            out.append(f"{v.path}:{_first_bad_utf8_line(Path(v.path))}: not UTF-8 text; re-encode the file as UTF-8")
-        except OSError as e:
-            out.append(f"evaluation.validation.path: cannot read {v.path} ({e.strerror})")
+        rows = _read("evaluation.validation.path", v.path, lambda p: load_validation(p, v.metric, v.json_schema), out)
+        if rows and any("messages" in r for r in rows):
+            needs.append("evaluation.validation.path (rows with `messages`)")
     f = recipe.evaluation.fidelity
     if f is not None:
-        try:
-            load_documents(f.path)
-        except StageError as e:
-            out.append(str(e))
-        except UnicodeDecodeError:
-            out.append(f"{f.path}:{_first_bad_utf8_line(Path(f.path))}: not UTF-8 text; re-encode the file as UTF-8")
-        except OSError as e:
-            out.append(f"evaluation.fidelity.path: cannot read {f.path} ({e.strerror})")
+        _read("evaluation.fidelity.path", f.path, load_documents, out)
     return needs
+
+
+def _read(field: str, path: str, load, out: list[str]):
+    """load(path), or None with the reason it cannot be read appended to `out`."""
+    from .stages import StageError
+
+    try:
+        return load(path)
+    except StageError as e:
+        out.append(str(e))
+    except UnicodeDecodeError:
+        out.append(f"{path}:{_first_bad_utf8_line(Path(path))}: not UTF-8 text; re-encode the file as UTF-8")
+    except OSError as e:
+        out.append(f"{field}: cannot read {path} ({e.strerror})")
+    return None
 
 
 def _hub_snapshot(recipe) -> Path | None:
