@@ -23,8 +23,9 @@ tiny: setup
 smollm2: setup
 	$(PY) scripts/build_smollm2.py
 
+# exit 3 (an artifact failed a release gate) is part of what the demo shows, not a failure of the demo
 demo: smollm2
-	$(QP) run recipes/demo.yaml
+	$(QP) run recipes/demo.yaml || [ $$? -eq 3 ]
 
 demo-tiny: tiny
 	$(QP) run recipes/demo-tiny.yaml
