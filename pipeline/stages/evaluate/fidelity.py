@@ -16,11 +16,11 @@ so resampling tokens would give intervals that are too narrow; the windows are t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
 
+from ...cache import sha256_file
 from .. import StageError
 from .compare import BOOTSTRAP_SEED
 from .validation import continuation, encode_prompt
@@ -48,10 +48,6 @@ def load_documents(path: str | Path) -> list[str]:
     if not docs:
         raise StageError(f"{p}: no documents; add JSON lines with `text`")
     return docs
-
-
-def documents_sha256(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def document_windows(tok, docs: list[str], add_bos: bool, seq_len: int, max_tokens: int) -> list[tuple[list[int], int]]:
@@ -105,7 +101,7 @@ def settings(inp) -> dict:
     f = inp.fidelity
     if f is None:
         return {"source": "validation", "scored": "the reference tokens of each validation row, after its prompt"}
-    return {"source": "documents", "documents_sha256": documents_sha256(f.path), "seq_len": f.seq_len, "max_tokens": f.max_tokens,
+    return {"source": "documents", "documents_sha256": sha256_file(Path(f.path))[:16], "seq_len": f.seq_len, "max_tokens": f.max_tokens,
             "scored": "every position after a window's first"}
 
 
