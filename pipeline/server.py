@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -37,6 +39,7 @@ from .ports import HOST, free_port, port_freed, port_in_use  # noqa: F401  (also
 from .serving_links import stable_path  # noqa: F401  (quantpipe.server.stable_path, as scripts import it)
 
 MARKER_ENV = "QUANTPIPE_SERVER_ID"
+IPC_TMPDIR_MAX = 60  # longer TMPDIRs: the server gets a short one under /tmp (ipc://<TMPDIR>/<uuid4> must fit in 107 bytes)
 _LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s+)?((INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s?)?")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.+)$")
 # Exceptions that only wrap the real cause reported earlier in the log.
@@ -120,6 +123,7 @@ class Server:
         self._stop_sampling = threading.Event()
         self._sampler: threading.Thread | None = None
         self._log_file = None
+        self._short_tmp: str | None = None
 
     @classmethod
     def connect(cls, port: int, served_model_name: str, log_path: Path | None = None) -> "Server":
@@ -166,6 +170,10 @@ class Server:
         self._log_file.write(f"$ {' '.join(self.command())}\n")
         self._log_file.flush()
         env = {**os.environ, **self.env, MARKER_ENV: self.id, "PYTHONUNBUFFERED": "1"}
+        tmp = env.get("TMPDIR") or "/tmp"
+        if len(tmp) > IPC_TMPDIR_MAX:  # vLLM's ZMQ sockets live in TMPDIR, and a socket path has at most 107 bytes
+            self._short_tmp = tempfile.mkdtemp(prefix="qp-vllm-", dir="/tmp")
+            env["TMPDIR"] = self._short_tmp
         self._t0 = time.perf_counter()
         # No new session: the server stays in our process group, which quantpipe's worker kills on SIGTERM.
         self.proc = subprocess.Popen(
@@ -237,6 +245,9 @@ class Server:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._short_tmp:
+            shutil.rmtree(self._short_tmp, ignore_errors=True)
+            self._short_tmp = None
         if self.port:  # a caller that checks the port right after stop() must find it free
             port_freed(self.port, 10)
 

@@ -792,3 +792,22 @@ def test_engine_stats_are_the_peaks_of_the_servers_own_stats_log_lines():
     ])
     assert engine_stats(seg) == {"kv_cache_usage_peak": 0.015, "running_peak": 4, "waiting_peak": 2}
     assert engine_stats("nothing") == {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}
+
+
+def test_a_server_under_a_deep_tmpdir_gets_a_short_one_for_its_sockets(tmp_path, monkeypatch):
+    """vLLM puts its ZMQ sockets in TMPDIR, and a socket path holds at most 107 bytes: under a deep TMPDIR (a cache
+    folder's tmp/) the server gets a short folder under /tmp instead, removed when it stops."""
+    from quantpipe.server import Server, ServerDied
+
+    deep = tmp_path / ("d" * 80)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "TMPDIR=$TMPDIR"\nexit 1\n')
+    fake.chmod(0o755)
+    srv = Server("/m", [], log_path=tmp_path / "s.log", python=fake)
+    with pytest.raises(ServerDied):
+        srv.start()
+    (line,) = [ln for ln in (tmp_path / "s.log").read_text().splitlines() if ln.startswith("TMPDIR=")]
+    short = line.removeprefix("TMPDIR=")
+    assert short.startswith("/tmp/qp-vllm-") and len(short) <= 60 and not Path(short).exists()
