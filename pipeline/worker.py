@@ -8,6 +8,8 @@ stage's typed input (its slice of the recipe), the input folder, the output fold
 of its upstream stages; the worker writes
 the stage's metrics (plus wall time and peak memory) to `metrics.json` next to the spec.
 Exit 0: done; 2: the stage refused its input (a StageError, message on the last line); 1: crashed.
+A benchmark spec may carry the artifact's evaluate spec under "evaluate" (a joint job, see quantpipe.run.runner):
+the evaluation then runs against the benchmark's server before its sweep, and each stage writes its own metrics.
 """
 
 from __future__ import annotations
@@ -91,29 +93,51 @@ def peak_rss_gib() -> float:
 def main(spec_path: str) -> int:
     _die_with_parent()
     _bootstrap()
+    spec = json.loads(Path(spec_path).read_text())
+    joint = spec.get("evaluate")
+    if joint is None:
+        return run_stage(spec)
+    # A joint job: the artifact's evaluation through the benchmark's server, once it is healthy and before the sweep.
+    # Each stage writes its own metrics (or failed.json); the exit code is the benchmark's.
+    evaluated = []
+
+    def on_ready(server) -> None:
+        evaluated.append(run_stage(joint, server=server))
+
+    rc = run_stage(spec, on_ready=on_ready)
+    if not evaluated:  # no server came up: the evaluation starts its own, and says why it cannot
+        run_stage(joint)
+    return rc
+
+
+def run_stage(spec: dict, **shared) -> int:
+    """Run the stage `spec` names; its metrics (plus wall time and peak memory) go to spec["metrics"], a failure's
+    exit code and message to failed.json beside it. 0: done, 2: refused (StageError), 1: crashed."""
     from quantpipe.envs import STAGES
     from quantpipe.stages import StageError
     from quantpipe.stages.contract import INPUTS, Upstream
 
-    spec = json.loads(Path(spec_path).read_text())
     mod_name, fn_name = STAGES[spec["kind"]][0].split(":")
     fn = getattr(importlib.import_module(mod_name), fn_name)
     inp = INPUTS[spec["kind"]].model_validate(spec["input"])
     upstream = {role: Upstream.from_json(u) for role, u in spec.get("upstream", {}).items()}
     src = Path(spec["src"]).absolute()
     os.chdir(Path(spec["out"]).parent)  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
+    failed = Path(spec["metrics"]).with_name("failed.json")
     t0 = time.perf_counter()
     try:
-        metrics = fn(inp, src, Path(spec["out"]), upstream) or {}
+        metrics = fn(inp, src, Path(spec["out"]), upstream, **shared) or {}
     except StageError as e:
         print(f"quantpipe: {spec['stage']}: {e}", file=sys.stderr)
         print(f"STAGE_ERROR: {e}", file=sys.stderr)
+        failed.write_text(json.dumps({"rc": 2, "error": str(e)}))
         return 2
     except Exception as e:
         traceback.print_exc()
         why = resource_error(e, Path(spec["out"]))
         if why:
             print(f"STAGE_ERROR: {why}", file=sys.stderr)
+        failed.write_text(json.dumps({"rc": 1, "error": why or f"{type(e).__name__}: {e}"}))
         return 1
     metrics = {**metrics, "wall_s": round(time.perf_counter() - t0, 3), "peak_rss_gib": peak_rss_gib()}
     try:

@@ -89,6 +89,26 @@ def test_fidelity_documents_count_by_content_in_the_evaluate_keys_only(fake):
     assert changed(k2, keys(fake, d)) == evaluate_and_package
 
 
+def test_vllm_backend_pairs_each_evaluation_with_its_benchmark_and_keeps_their_keys_apart(fake):
+    """Under backend vllm each evaluate step names its benchmark step (one job, one server, when both are to build), yet the
+    keys stay apart: a benchmark change redoes no evaluation, an evaluation change no benchmark."""
+    d = recipe_dict()
+    d["evaluation"]["lm_eval"] = {"tasks": ["t"], "backend": "vllm"}
+    r = parse(yaml.safe_dump(d), fake)
+    steps = build_steps(r, r.base.model)
+    assert {s.id: s.joint for s in steps if s.joint} == {f"evaluate:{a}": f"benchmark:{a}" for a in ("baseline", "a", "f")}
+    assert all(s.env == "serve" for s in steps if s.joint)
+    k0 = keys(fake, d)
+    d["benchmark"]["concurrency"] = [1, 8]
+    k1 = keys(fake, d)
+    assert changed(k0, k1) == ["benchmark:a", "benchmark:baseline", "benchmark:f", "package:a", "package:f"]
+    d["evaluation"]["lm_eval"]["limit"] = 8
+    assert changed(k1, keys(fake, d)) == ["evaluate:a", "evaluate:baseline", "evaluate:f", "package:a", "package:f"]
+    d["evaluation"]["lm_eval"]["backend"] = "hf"  # hf: nothing is paired
+    r = parse(yaml.safe_dump(d), fake)
+    assert not any(s.joint for s in build_steps(r, r.base.model))
+
+
 def test_gates_change_reruns_nothing(fake):
     d = recipe_dict()
     k1 = keys(fake, d)
@@ -201,6 +221,45 @@ def test_rerun_is_all_cache_hits_and_corruption_is_rebuilt(tiny, tmp_path):
     assert len(index) == 4 and all(i["status"] == "ok" for i in index)
 
 
+
+
+@pytest.mark.slow
+def test_vllm_backend_evaluates_through_the_benchmark_server_one_start_per_model(tiny, tmp_path):
+    """Backend vllm with a benchmark: each model's evaluation and benchmark are one job with one `vllm serve` start, the
+    evaluation answered before the warm-up and sweep. A second run with only the benchmark changed reuses every
+    evaluation and measures each model again, alone."""
+    bench = {"engine": {"max_model_len": 512, "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456},
+             "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], "concurrency": [1]}
+    over = {"base": {"model": str(tiny.llama), "dtype": "bfloat16"}, "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
+            "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 16, "max_seq_len": 64},
+            "evaluation": {"lm_eval": {"tasks": ["tiny_facts_mc"], "include_path": str(tiny.tasks), "limit": 16, "backend": "vllm"},
+                           "validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
+            "benchmark": bench}
+    recipe = small_recipe(tiny, tmp_path, **over)
+    first = run_cli("run", str(recipe))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].parent
+    rec = json.loads((run_dir / "run.json").read_text())
+    for m in ("baseline", "int8"):
+        ev, bm = rec["stages"][f"evaluate:{m}"], rec["stages"][f"benchmark:{m}"]
+        assert (ev["cache"], bm["cache"], ev["status"], bm["status"]) == ("miss", "miss", "ok", "ok")
+        assert ev["metrics"]["engine"]["shared"] is True and ev["metrics"]["timings"]["engine_start_s"] == 0
+        assert not (Path(ev["out"]) / "server.log").exists()
+        server_log = (Path(bm["out"]) / "logs" / "server-default.log").read_text()
+        starts = [ln for ln in server_log.splitlines() if ln.startswith("$ ") and " serve " in ln]
+        assert len(starts) == 1 and server_log.count("POST /v1/completions") > 16  # one start; the evaluation's requests
+        assert bm["metrics"]["shared_s"] >= ev["metrics"]["timings"]["lm_eval_s"] > 0
+        assert f"evaluate:{m} + benchmark:{m}: one server" in first.stdout + first.stderr
+    int8 = rec["stages"]["evaluate:int8"]["metrics"]
+    assert "top-20" in int8["fidelity"]["kl_support"] and {c["task"] for c in int8["comparison"]} == {"tiny_facts_mc", "validation"}
+
+    bench["workloads"][0]["num_prompts"] = 5
+    second = run_cli("run", str(small_recipe(tiny, tmp_path, **over)))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    rec2 = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
+    assert {k: v["cache"] for k, v in rec2["stages"].items() if k.startswith(("evaluate", "benchmark"))} == {
+        "evaluate:baseline": "hit", "evaluate:int8": "hit", "benchmark:baseline": "miss", "benchmark:int8": "miss"}
+    assert all(rec2["stages"][f"benchmark:{m}"]["metrics"]["shared_s"] is None for m in ("baseline", "int8"))
 
 
 @pytest.mark.slow

@@ -87,7 +87,8 @@ class LmEval(Strict):
     seed: int = 1234
     backend: Literal["auto", "hf", "vllm"] = "auto"
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="vllm backend on a GPU: the share of GPU memory its engine reserves (None: vLLM's 0.9). Lower it to share the GPU.")
+        None, gt=0, le=1, description="vllm backend on a GPU: the share of GPU memory an evaluation's own server reserves (None: vLLM's 0.9); "
+                                       "an evaluation answered by the benchmark's server uses benchmark.engine's. Lower it to share the GPU.")
 
     @field_validator("tasks")
     @classmethod

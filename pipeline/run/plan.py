@@ -68,6 +68,7 @@ class Step:
     refs: dict[str, str] = field(default_factory=dict)  # role -> step id whose record the stage is handed
     env: str = ""  # the environment it runs in (envs.stage_env)
     key: str = ""
+    joint: str = ""  # an evaluate step under backend vllm: its benchmark step, whose server can answer it (runner: joint job)
 
 
 def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
@@ -101,6 +102,11 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
             if r.benchmark.enabled:
                 refs |= {"benchmark": f"benchmark:{a.name}", "baseline_benchmark": "benchmark:baseline"}
             steps.append(step(f"package:{a.name}", "package", a.name, q, refs))
+    if backend == "vllm" and r.benchmark.enabled:
+        ids = {s.id for s in steps}
+        for s in steps:
+            if s.kind == "evaluate" and s.env == "serve" and f"benchmark:{s.artifact}" in ids:
+                s.joint = f"benchmark:{s.artifact}"
     return steps
 
 

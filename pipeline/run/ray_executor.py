@@ -29,8 +29,9 @@ from filelock import FileLock
 
 from ..envs import hardware_key, lock_hash, source_hash
 from . import ray_boot
+from .build import StageFailed
 from .process import exit_reason, tail
-from .runner import RunError, StageFailed
+from .runner import RunError
 from .schedule import SHARED, Grant
 
 log = logging.getLogger(__name__)

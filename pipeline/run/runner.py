@@ -3,7 +3,8 @@
 Order: merge once; the unquantized merged model is the `baseline` that is evaluated and benchmarked
 like every artifact; then per artifact quantize -> evaluate -> benchmark -> package; one report.
 Each stage runs as a subprocess (`worker.py`) in its environment, in its own process group (run/process.py), and
-its output is committed to the stage cache atomically. A run writes `<output_dir>/runs/<run_id>/` (run.json,
+its output is committed to the stage cache atomically (run/build.py). Under the vllm evaluation backend, an
+artifact's evaluate and benchmark stages that both need building run as one job, one server for both. A run writes `<output_dir>/runs/<run_id>/` (run.json,
 run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>` by an atomic symlink swap (run/publish.py).
 
     quantpipe run recipes/demo.yaml --dry-run
@@ -11,11 +12,9 @@ run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>` by an
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import re
-import shutil
 import signal
 import threading
 import time
@@ -28,15 +27,17 @@ from ..cache import ContentHasher, StageCache, hash_json
 from ..envs import LEGACY_ENVS, git_commit, hardware, python_for, versions
 from ..recipe import Recipe
 from ..stages.contract import Upstream
+from .build import Builder, StageFailed
+from .finish import finish_run
+from .finish import plain as _plain
 from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
-from .process import Processes, RedactFilter, exit_reason, redact, secrets, tail
-from .publish import PublishError, publish
+from .process import Processes, RedactFilter, redact, secrets
+from .publish import PublishError
 from .record import close_dead_runs, index_run, new_run_dir, write_record
 from .schedule import Grant, Scheduler, default_jobs, gpus
 
 log = logging.getLogger(__name__)
-WORKER = Path(__file__).resolve().parent.parent / "worker.py"
 KINDS = ("merge", "quantize", "evaluate", "benchmark", "package")
 EXIT_FAILED, EXIT_GATE = 1, 3
 
@@ -64,6 +65,7 @@ class Runner:
         self.run_dir: Path | None = None  # the last run's folder (the CLI prints its summary from there)
         self.gpus = gpus(gpu_select)
         self.scheduler = Scheduler(self.gpus, jobs=jobs or default_jobs(len(self.gpus)))
+        self.builder = Builder(self)
         self.executor = executor.attach(self) if executor is not None else None  # --executor ray: its procs and scheduler replace these
 
     def say(self, msg: str) -> None:
@@ -157,7 +159,10 @@ class Runner:
             self.say(f"[bold]quantpipe[/bold] run {run_id}: {len(steps)} stages, cache {self.cache.root}")
             failed: dict[str, str] = {}
             self._run_steps(steps, base_dir, failed, force, run_dir, record, t_start)
-            self._finish(record, steps, failed, run_dir)
+            try:
+                finish_run(self.recipe, self.out_dir, record, steps, failed, run_dir, self.say)
+            except PublishError as e:
+                raise RunError(str(e)) from None
         except BaseException as e:
             record["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
             record["error"] = redact(f"{type(e).__name__}: {e}", self.secret_values)
@@ -177,22 +182,29 @@ class Runner:
     def _run_steps(self, steps: list[Step], base_dir: str, failed: dict, force: set, run_dir: Path, record: dict, t_start: float) -> None:
         """Start each stage as soon as its inputs are committed and the scheduler grants it GPUs and memory."""
         ids = {s.id for s in steps}
+        by_id = {s.id: s for s in steps}
         pending = list(steps)
         done: queue.Queue = queue.Queue()
         threads: dict[str, threading.Thread] = {}
 
-        def work(s: Step, grant: Grant) -> None:
+        def work(job: list[Step], grant: Grant) -> None:
+            """One stage, or an evaluation with its benchmark (a joint job: one server for both)."""
             t0 = time.time()
             try:
-                rec = self._do_step(s, base_dir, failed, force, run_dir, grant)
+                recs = self._do_joint(*job, base_dir, failed, force, run_dir, grant) if len(job) == 2 else \
+                    [self._do_step(job[0], base_dir, failed, force, run_dir, grant)]
             except BaseException as e:  # stopped by the run's interrupt (recorded, no traceback), or a runner bug (the stage fails, the run goes on)
                 stopped = isinstance(e, KeyboardInterrupt)
                 if not stopped:
-                    log.exception("stage %s", s.id)
-                rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted" if stopped else "failed", "error": str(e) if stopped else f"{type(e).__name__}: {e}"}
-                failed[s.id] = rec["error"]
-            rec |= {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}
-            done.put((s, rec))
+                    log.exception("stage %s", job[-1].id)
+                recs = []
+                for s in job:
+                    recs.append({"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted" if stopped else "failed",
+                                 "error": str(e) if stopped else f"{type(e).__name__}: {e}"})
+                    failed[s.id] = recs[-1]["error"]
+            for s, rec in zip(job, recs):  # the job's thread is known by its last step: that one is put last
+                rec |= {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}
+                done.put((s, rec))
 
         try:
             while pending or threads or not done.empty():
@@ -207,17 +219,26 @@ class Runner:
                         continue
                     if any(d not in self.records for d in deps):
                         continue  # an input is not committed yet
-                    tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
+                    if s.kind == "benchmark" and any(p.joint == s.id for p in pending):
+                        continue  # its evaluation is decided first: through this benchmark's server, or on its own
                     if not _forced(s, force) and self.cache.lookup(s.id, s.key) is not None:
                         pending.remove(s)  # a cache hit needs no GPU: checked here, in order
-                        work(s, Grant([]))
+                        work([s], Grant([]))
                         continue
-                    grant = self.scheduler.try_start(s.id, s.kind, self.estimates.get(s.id), n_gpus=tp)
+                    job = [s]
+                    b = by_id.get(s.joint) if self.executor is None else None  # Ray runs each stage as its own task
+                    if b in pending and (_forced(b, force) or self.cache.lookup(b.id, b.key) is None) and all(
+                            d in self.records for d in (b.src, *b.refs.values()) if d in ids):
+                        job = [s, b]  # both to build: one job, on the benchmark's terms (whole GPUs, or the host alone)
+                    head = job[-1]
+                    tp = (head.inp.benchmark.engine.tensor_parallel_size or 1) if head.kind == "benchmark" else 1
+                    grant = self.scheduler.try_start(head.id, head.kind, self.estimates.get(head.id), n_gpus=tp)
                     if grant is None:
                         continue
-                    pending.remove(s)
-                    threads[s.id] = threading.Thread(target=work, args=(s, grant), name=f"{s.id}@{id(self):x}", daemon=True)
-                    threads[s.id].start()
+                    for x in job:
+                        pending.remove(x)
+                    threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
+                    threads[head.id].start()
                 if not threads and done.empty():
                     if pending:  # nothing runs and nothing can start: a dependency outside the plan, or a bug
                         raise RunError(f"no stage can start: {', '.join(s.id for s in pending)} wait for inputs that are not planned")
@@ -239,11 +260,12 @@ class Runner:
                 for th in threads.values():
                     th.join(timeout=30)
 
-    def _do_step(self, s: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant) -> dict:
+    def _do_step(self, s: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, built=None) -> dict:
+        """Reuse or build one stage and record it; `built`: what a joint job made of it ((marker, state) or StageFailed)."""
         rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key}
         t0 = time.perf_counter()
         forced = _forced(s, force)
-        marker = None if forced else self.cache.lookup(s.id, s.key)
+        marker = None if forced or built is not None else self.cache.lookup(s.id, s.key)
         state = "forced" if forced else "miss"
         if marker is not None:
             problems = self.cache.verify_entry(s.id, s.key, marker, full=True)
@@ -254,114 +276,44 @@ class Runner:
                 marker, state = None, "rebuilt"
         if marker is None:
             try:  # with Ray a node takes the entry's lock, builds and commits it (run/ray_executor.py)
-                marker, state = (self.executor.build(s, base_dir, run_dir, forced, state) if self.executor
-                                 else self._build_locked(s, base_dir, run_dir, grant, forced, state))
+                if isinstance(built, StageFailed):
+                    raise built
+                marker, state = built or (self.executor.build(s, base_dir, run_dir, forced, state) if self.executor
+                                          else self.builder.build_locked(s, base_dir, run_dir, grant, forced, state))
             except StageFailed as e:
                 failed[s.id] = str(e)
-                self.say(f"  [red]x[/red] {s.id:<24} FAILED after {time.perf_counter() - t0:.1f}s: {_plain(e.summary)}")
+                after = f" after {time.perf_counter() - t0:.1f}s" if built is None else ""
+                self.say(f"  [red]x[/red] {s.id:<24} FAILED{after}: {_plain(e.summary)}")
                 return {**rec, "cache": state, "status": "failed", "error": e.summary, "log": str(e.log_path), "log_tail": e.tail}
         else:
             state = "hit"
         out = self.cache.entry(s.id, s.key) / "out"
         metrics = marker.get("metrics", {})
         self.records[s.id] = Upstream(out=out, stage=s.id, key=s.key, wall_s=marker.get("wall_s"), metrics=metrics)
-        dt = time.perf_counter() - t0
+        dt = marker.get("wall_s") or 0.0 if built is not None and state != "hit" else time.perf_counter() - t0
         note = f" ({_plain(str(metrics['status_note']))})" if metrics.get("status_note") else ""
         self.say(f"  [green]✓[/green] {s.id:<24} {state:<6} {dt:7.1f}s{note}")
         return {**rec, "cache": state, "status": "ok", "wall_s": round(dt, 3), "stage_wall_s": marker.get("wall_s"), "metrics": metrics, "out": str(out),
                 **({"placement": marker["placement"]} if "placement" in marker else {})}
 
-    def _build_locked(self, s: Step, base_dir: str, run_dir: Path, grant: Grant, forced: bool, state: str) -> tuple[dict, str]:
-        """Under the entry's lock: another run may be building the same entry; wait, then reuse it."""
-        self.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.cache.entry(s.id, s.key)) + ".lock"):
-            marker = None if forced else self.cache.lookup(s.id, s.key)
-            return (marker, "hit") if marker is not None else (self._build(s, base_dir, run_dir, grant), state)
-
-    def _build(self, s: Step, base_dir: str, run_dir: Path, grant: Grant) -> dict:
-        work = self.cache.begin(s.id, s.key)
-        src = base_dir if s.src == "external" else str(self.records[s.src].out)
-        upstream = {role: self.records[sid] for role, sid in s.refs.items() if sid in self.records}
-        if s.kind == "package":  # its manifest names the key of the entry it is built into
-            upstream["self"] = Upstream(out=work / "out", stage=s.id, key=s.key)
-        spec = {
-            "stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"), "src": src, "out": str(work / "out"),
-            "upstream": {role: u.to_json() for role, u in upstream.items()}, "metrics": str(work / "metrics.json"),
-        }
-        (work / "spec.json").write_text(json.dumps(spec, indent=2, default=str))
-        log_path = run_dir / "logs" / f"{s.id.replace(':', '_')}.log"
-        on = f" on GPU {','.join(grant.gpus)}" if grant.gpus else ""
-        self.say(f"  [cyan]>[/cyan] {s.id:<24} running in the {s.env} environment{on} (log: {log_path})")
-        t0 = time.perf_counter()
-        try:
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(grant.gpus)} if grant.gpus else {}
-            rc = self.procs.spawn([str(python_for(s.env)), str(WORKER), str(work / "spec.json")], log_path, self.stage_timeout_s, env)
-        except BaseException:  # Ctrl-C or SIGTERM: the stage was stopped, its half output goes
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-        if rc != 0:
-            last = tail(log_path)
-            shutil.rmtree(work, ignore_errors=True)
-            if rc is None:  # ran past --stage-timeout and was stopped
-                raise StageFailed(f"{s.id} ran longer than --stage-timeout ({self.stage_timeout_s / 60:g} min) and was stopped with its "
-                                  f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
-                                  log_path, last)
-            err = [ln for ln in last.splitlines() if ln.startswith("STAGE_ERROR: ")]
-            summary = err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(rc)}; last lines of {log_path}:\n{last}"
-            raise StageFailed(summary, log_path, last)
-        metrics = json.loads((work / "metrics.json").read_text())
-        (work / "metrics.json").unlink()
-        (work / "spec.json").unlink()
-        try:
-            return self.cache.commit(work, s.id, s.key, {"metrics": metrics, "wall_s": round(time.perf_counter() - t0, 3)},
-                                     inputs=[src, *(str(u.out) for role, u in upstream.items() if role != "self")])
-        except OSError as e:
-            shutil.rmtree(work, ignore_errors=True)
-            raise StageFailed(f"could not commit the output of {s.id} to {self.cache.root}: {e}", log_path, "") from None
-
-    def _finish(self, record: dict, steps: list[Step], failed: dict, run_dir: Path) -> None:
-        from ..common.gates import check_gates
-
-        gates = self.recipe.evaluation.gates
-        any_gate_failed = False
-        for a in self.recipe.artifacts:
-            ids = [s.id for s in steps if s.artifact == a.name]
-            if not ids:
-                continue
-            art = {"method": a.method, "stages": {i: record["stages"][i]["status"] for i in ids}}
-            ev = record["stages"].get(f"evaluate:{a.name}", {})
-            if ev.get("status") == "ok":
-                failures = check_gates(gates, ev.get("metrics", {}))
-                art["gate"] = "FAIL" if failures else "PASS"
-                art["gate_failures"] = failures
-                any_gate_failed |= bool(failures)
+    def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant) -> list[dict]:
+        """An artifact's evaluation and benchmark from one process in the serve environment: the benchmark's server, once
+        healthy, answers the evaluation, then is measured (quantpipe.worker). Each keeps its own key and entry."""
+        for s in (b, e):
+            self.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
+        built: dict[str, object] = {}
+        with FileLock(str(self.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.cache.entry(e.id, e.key)) + ".lock"):
+            have = {s.id: None if _forced(s, force) else self.cache.lookup(s.id, s.key) for s in (e, b)}
+            state = {s.id: "forced" if _forced(s, force) else "miss" for s in (e, b)}
+            if any(have.values()):  # another run built one of them meanwhile: the other on its own
+                for s in (e, b):
+                    try:
+                        built[s.id] = (have[s.id], "hit") if have[s.id] else (self.builder.build(s, base_dir, run_dir, grant), state[s.id])
+                    except StageFailed as exc:
+                        built[s.id] = exc
             else:
-                art["gate"] = "NOT RUN"
-            pkg = record["stages"].get(f"package:{a.name}", {})
-            if pkg.get("status") == "ok":
-                try:
-                    art["package"] = str(publish(self.out_dir, a.name, Path(pkg["out"]), record["stages"][f"package:{a.name}"]["key"]))
-                except PublishError as e:
-                    raise RunError(str(e)) from None
-                except OSError as e:  # a full or read-only output disk: the package stays cached, nothing half-published
-                    why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e)  # copytree: (src, dst, why) per file
-                    art["package_error"] = f"could not publish the package to {self.out_dir / 'packages' / a.name}: {why}"
-                    failed[f"publish:{a.name}"] = art["package_error"]
-                    self.say(f"  [red]x[/red] {'publish:' + a.name:<24} FAILED: {_plain(art['package_error'])}")
-            record["artifacts"][a.name] = art
-        record["status"] = "failed" if failed else ("gate_failed" if any_gate_failed else "ok")
-        try:
-            from ..report import write_report
-
-            record["report"] = [str(p) for p in write_report(record, run_dir, self.out_dir)]  # the CLI's summary names it
-        except Exception as e:  # a report bug must not hide the run's results
-            log.exception("report failed")
-            record["report_error"] = f"{type(e).__name__}: {e}"
-            record["status"] = "failed"
-        for a, art in record["artifacts"].items():  # the console shows the gates in its summary table (quantpipe.console)
-            log.info("%s gate %s %s", a, art.get("gate"), "; ".join(art.get("gate_failures", [])))
-        if failed:
-            self.say(f"[red]{len(failed)} stage(s) did not complete:[/red] " + ", ".join(sorted(failed)))
+                built = self.builder.build_joint(e, b, base_dir, run_dir, grant, state)
+        return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b)]
 
     def _trap_signals(self):
         def handler(signum, frame):
@@ -377,21 +329,8 @@ class Runner:
             signal.signal(sig, h)
 
 
-class StageFailed(Exception):
-    def __init__(self, summary: str, log_path: Path, tail: str):
-        super().__init__(summary)
-        self.summary, self.log_path, self.tail = summary, log_path, tail
-
-
 def _forced(s: Step, force: set[str]) -> bool:
     return bool(force) and ("all" in force or s.kind in force or s.id in force)
-
-
-def _plain(text: str) -> str:
-    """Text from a stage or the disk, for the console: brackets in it are not rich markup (`[/path]` would raise)."""
-    from rich.markup import escape
-
-    return escape(text)
 
 
 def _iso(t: float) -> str:

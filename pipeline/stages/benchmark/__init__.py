@@ -24,6 +24,8 @@ out/results.json (the returned metrics are the same document):
                             kv_cache_memory_bytes on CPU...) and sentences on what quantpipe chose and why
     server_start_s          seconds from `vllm serve` to a healthy /health (default variant)
     startup                 that start phase by phase from the server's log (stages/benchmark/startup.py)
+    shared_s                seconds the artifact's evaluation held that server before the warm-up (a joint job;
+                            null when the evaluation ran elsewhere)
     served_path             the stable link the artifact was served through (quantpipe.serving_links)
     results                 one row per variant x workload x concurrency: variant, workload, kind,
         concurrency, num_prompts, completed, failed, duration_s, request_throughput (req/s),
@@ -87,8 +89,10 @@ def _versions() -> dict:
     return out
 
 
-def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]) -> dict:
-    """Serve `src` with vLLM and measure it (see the module docstring); writes out/results.json. Reads no upstream."""
+def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream], on_ready=None) -> dict:
+    """Serve `src` with vLLM and measure it (see the module docstring); writes out/results.json. Reads no upstream.
+    `on_ready(server)`: called once the default variant's server is healthy, before its warm-up and sweep (the
+    artifact's evaluation in a joint job, quantpipe.worker); `shared_s` records how long it held the server."""
     t_stage = time.perf_counter()
     src, out = Path(src), Path(out)
     bench = inp.benchmark
@@ -98,7 +102,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
     plat = probe_platform()
     result: dict = {
         "artifact": inp.artifact, "method": inp.method, "servable": True, "reason": None, "status_note": None,
-        "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None, "startup": None,
+        "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None, "startup": None, "shared_s": None,
         "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "goodput_search": None, "lora": None, "workloads": [],
         "versions": _versions(), "hardware": hardware(),
     }
@@ -141,13 +145,13 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
             for vname, e in variants:
                 engine, notes = effective_engine(e, inp, src, plat, need)
                 info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
-                                     client=client)
+                                     client=client, on_ready=on_ready if vname == "default" else None)
                 info["engine_notes"] = notes
                 result["variants"][vname] = {k: v for k, v in info.items() if k not in ("rows", "goodput_search")}
                 result["results"] += info["rows"]
                 if vname == "default":
                     result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
-                    result["startup"] = info.get("startup")
+                    result["startup"], result["shared_s"] = info.get("startup"), info.get("shared_s")
                     result["goodput_search"] = info.get("goodput_search")
                     if not info["servable"]:
                         result.update(servable=False, reason=info["reason"], status_note=info["reason"])

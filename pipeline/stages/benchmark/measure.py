@@ -331,8 +331,10 @@ def _loaded_weights_gib(log_text: str) -> float | None:
 
 def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served_model_name: str, plat: dict, workloads, data,
                   tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None, *,
-                  client: BenchClient) -> dict:
-    """Start a server with `engine`, warm it up, measure (the runs from `client`); never leaves it running."""
+                  client: BenchClient, on_ready=None) -> dict:
+    """Start a server with `engine`, warm it up, measure (the runs from `client`); never leaves it running.
+    `on_ready(server)` runs once the server is healthy, before the warm-up (a joint job's evaluation); the
+    prefix cache is reset after it, so no run reuses what it left there."""
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=served_model_name,
                  env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")
@@ -341,6 +343,11 @@ def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served
             info["server_start_s"], info["port"] = srv.start_s, srv.port
             info["startup"] = startup_phases(srv.log_text(), srv.start_s)
             log.info("server %s healthy after %.1f s on port %d", name, srv.start_s, srv.port)
+            if on_ready is not None:
+                t0 = time.perf_counter()
+                on_ready(srv)
+                info["shared_s"] = round(time.perf_counter() - t0, 2)
+                reset_prefix_cache(srv)
             warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
                     engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
             rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names, client)

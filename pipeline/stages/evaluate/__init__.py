@@ -21,14 +21,15 @@ Backends (`inp.backend`, which the runner decides from `evaluation.lm_eval.backe
 where a CUDA GPU is present, else hf):
 - `hf` (hf.py): lm-eval's hf model; validation and fidelity through transformers, which reads every
   artifact (it decompresses compressed-tensors); the artifact's stage loads the baseline model for the full KL.
-- `vllm` (vllm.py): the stage runs in the serve environment. lm-eval's own vllm model (its figures are
-  those of `lm_eval --model vllm` with the same arguments, written to evaluation.json as `lm_eval_command`);
-  its engine then generates the validation outputs (greedy) and gives the prompt logprobs of the
-  references. The baseline keeps its logprobs (`fidelity_reference.json`) and an artifact's stage
-  compares against them, one engine per stage. vLLM returns the top 20 logprobs per position, so the
-  KL is over those plus one bucket for the rest: a lower bound of the full KL (`kl_topk`); top-1
-  agreement and perplexity are exact. A scheme vLLM cannot run on this machine is refused before
-  the engine starts (use hf for it).
+- `vllm` (vllm.py): the stage runs in the serve environment and evaluates through vLLM's OpenAI-compatible
+  server: lm-eval's own local-completions model (`lm_eval_command` in evaluation.json), the validation
+  set as greedy completions, the fidelity tokens' prompt logprobs. The server is the benchmark stage's when
+  the runner packs an artifact's evaluation and benchmark into one job (`server`: one engine start per
+  artifact, the evaluation before the measured sweep), else one the stage starts (eager). The baseline keeps
+  its logprobs (`fidelity_reference.json`) and an artifact's stage compares against them. vLLM returns the
+  top 20 logprobs per position, so the KL is over those plus one bucket for the rest: a lower bound of the
+  full KL (`kl_topk`); top-1 agreement and perplexity are exact. A scheme vLLM cannot run on this machine
+  is refused before a server starts (use hf for it).
 BOS is passed explicitly as the tokenizer's own rule, and an artifact whose tokenizer, BOS rule, chat
 template, backend or evaluation settings differ from the baseline's is refused rather than compared.
 Fidelity needs `evaluation.fidelity` (documents) or `evaluation.validation` (its prompts and references).
@@ -60,11 +61,12 @@ __all__ = ["run", "load_validation", "load_documents", "score_output", "schema_e
 PROBE = "Hello world! 12 + 30 = 42.\nThe end."  # tokenized by baseline and artifact: must give the same ids
 
 
-def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream]) -> dict:
+def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream], server=None) -> dict:
     """Evaluate the model in `src` (lm-eval, validation set, fidelity vs the baseline) into `out`.
 
     An artifact's stage reads `upstream["baseline_model"].out` (the merged model) and
-    `upstream["baseline_eval"].out` (the baseline's evaluate output); the baseline's gets {}."""
+    `upstream["baseline_eval"].out` (the baseline's evaluate output); the baseline's gets {}. `server`: a
+    quantpipe.server.Server already serving `src` (the benchmark's, in a joint job) for backend vllm."""
     if inp.lm_eval is None and inp.validation is None and inp.fidelity is None:
         raise StageError("evaluation has none of `lm_eval`, `validation` and `fidelity`; add one of them or drop the evaluate stage")
     is_artifact = inp.artifact != "baseline"
@@ -85,6 +87,14 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream])
             )
     if inp.lm_eval is not None:
         import_lm_eval()
+        if inp.backend == "vllm":
+            import importlib.util
+
+            missing = [m for m in ("aiohttp", "tenacity", "requests") if importlib.util.find_spec(m) is None]
+            if missing:
+                raise StageError(f"evaluation.lm_eval.backend: vllm evaluates through lm-eval's local-completions model, which needs "
+                                 f"{', '.join(missing)} (lm-eval[api]) in {sys.executable}; rebuild the serve environment from its lock "
+                                 "(scripts/setup_envs.sh serve)")
     src, out = Path(src), Path(out)
     v = inp.validation
     rows = load_validation(v.path, v.metric, v.json_schema) if v else None
@@ -102,10 +112,10 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream])
 
     scores = Scores()
     extra: dict[str, Any] = {"versions": _versions(inp.backend)}
-    if inp.backend == "vllm":  # one engine for lm-eval, the validation set and the fidelity logprobs
+    if inp.backend == "vllm":  # one server for lm-eval, the validation set and the fidelity logprobs
         from .vllm import run_vllm
 
-        lm_metrics, validation, fidelity = run_vllm(inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra)
+        lm_metrics, validation, fidelity = run_vllm(inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra, server)
     else:
         from .hf import run_hf
 

@@ -1,11 +1,20 @@
-"""The vllm backend: one engine for lm-eval, the validation set and the fidelity logprobs (serve environment).
+"""The vllm backend: lm-eval, the validation set and the fidelity logprobs through one vLLM server (serve environment).
 
-lm-eval's own vllm model is built as `lm_eval --model vllm --model_args ...` builds it, so its figures are
-the CLI's; its engine then generates the validation outputs (greedy) and gives the prompt logprobs of the
-fidelity tokens (the documents' windows, else the validation references; see fidelity.py). The baseline
-keeps those logprobs (`fidelity_reference.json`) and an artifact's stage compares against them. vLLM returns the top VLLM_LOGPROBS logprobs per position, so the KL is over
-those plus one bucket for the rest (`kl_topk`: a lower bound of the full KL); top-1 agreement and
-perplexity are exact. vLLM is imported inside the functions, so this module loads in any environment.
+Everything goes through `vllm serve`'s OpenAI-compatible API, as a user's client would reach the model:
+lm-eval's own `local-completions` model (loglikelihoods from the echoed prompt logprobs, generations as
+completions, token ids sent as they are), the validation prompts as greedy completions, and the prompt
+logprobs of the fidelity tokens (the documents' windows, else the validation references; see
+fidelity.py). The server is the benchmark stage's when the runner packs an artifact's evaluation and
+benchmark into one job (one engine start per artifact; the evaluation runs before the measured sweep),
+else one that this stage starts itself: eager (no torch.compile, no CUDA graphs: it measures accuracy,
+not speed), the model's full context, on CPU a KV cache that holds one such sequence.
+
+The figures are lm-eval's `--model local-completions` against that server (`lm_eval_command`), and equal
+those of `lm_eval --model vllm` on the same artifact up to the order in which vLLM batches the requests
+(tests/test_evaluate.py compares both). vLLM returns the top VLLM_LOGPROBS logprobs per position, so the
+KL is over those plus one bucket for the rest (`kl_topk`: a lower bound of the full KL); top-1 agreement
+and perplexity are exact. The baseline keeps its logprobs (`fidelity_reference.json`) and an artifact's
+stage compares against them. vLLM is never imported here, so this module loads in any environment.
 """
 
 from __future__ import annotations
@@ -13,8 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import StageError
@@ -26,38 +37,94 @@ from .validation import encode_prompt, output_text, score_validation
 log = logging.getLogger(__name__)
 
 VLLM_LOGPROBS = 20  # prompt logprobs per position for fidelity under vllm: vLLM's default max_logprobs
-VLLM_ENV = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND")  # recorded with the engine
+CONCURRENT = 8  # requests in flight: enough to keep vLLM's batches full, few enough for a 2-core host
+REQUEST_TIMEOUT_S = 600
 
 
 def run_vllm(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: dict, baseline_eval: Path | None,
-             scores: Scores, timings: dict, extra: dict) -> tuple[dict | None, dict | None, dict | None]:
-    """lm-eval with its vllm model, then greedy validation and prompt logprobs through that model's engine.
+             scores: Scores, timings: dict, extra: dict, server=None) -> tuple[dict | None, dict | None, dict | None]:
+    """lm-eval, greedy validation and prompt logprobs through `server` (a quantpipe.server.Server that is up), or
+    through a server this stage starts. (lm-eval metrics, validation, fidelity); the engine and the lm_eval command go into `extra`."""
+    if server is not None:
+        timings["engine_start_s"] = 0.0
+        extra["engine"] = {"shared": True, "serve_command": serve_command(server)}
+        return _evaluate(server, inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra)
+    from ...server import Server, ServerDied
 
-    (lm-eval metrics, validation, fidelity); the engine's description and the lm_eval command go into `extra`."""
-    le = inp.lm_eval
-    t0 = time.perf_counter()
-    lm, model_args, engine = vllm_model(src, le, inp.base.trust_remote_code, inp.artifact, inp.method, settings)
-    timings["engine_start_s"] = round(time.perf_counter() - t0, 2)
-    extra["engine"] = engine
-    extra["lm_eval_command"] = lm_eval_command(le, model_args)
-    t0 = time.perf_counter()
-    lm_metrics = run_lm_eval(le, model_args, out, settings, scores, lm=lm)
-    timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
-    log.info("%s: lm-eval %s in %.1fs", inp.artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
-    validation = fidelity = None
-    if rows is not None:
-        from vllm import SamplingParams, TokensPrompt
+    flags, engine = own_engine(src, inp.base.trust_remote_code, inp.artifact, inp.method, settings, inp.lm_eval)
+    srv = Server(src, flags, log_path=out / "server.log", served_model_name=inp.artifact, gpu=engine["platform"]["platform"] == "cuda")
+    try:
+        with srv:
+            timings["engine_start_s"] = srv.start_s
+            extra["engine"] = {**engine, "shared": False, "serve_command": serve_command(srv)}
+            return _evaluate(srv, inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra)
+    except ServerDied as e:
+        raise StageError(f"{inp.artifact}: the evaluation's vLLM server failed: {e.reason}; evaluate it with "
+                         f"evaluation.lm_eval.backend: hf (its log: {out / 'server.log'})") from None
 
+
+def serve_command(srv) -> str:
+    """The server's `vllm serve ...` command line (its port as it ran)."""
+    return " ".join(["vllm", *srv.command()[3:]])
+
+
+def own_engine(src: Path, trust_remote_code: bool, artifact: str, method: str, settings: dict, le) -> tuple[list[str], dict]:
+    """`vllm serve` flags of the evaluation's own server, and what was decided; refused before any server starts when
+    vLLM has no kernel for the checkpoint's scheme on this machine."""
+    # What vLLM can run here and the CPU KV-cache size, decided as for the benchmark stage (common.vllm_support).
+    # Not in this stage's cache key: they decide a refusal, never cached, and a KV-cache size, which moves no figure.
+    from ...common.hf_config import text_config
+    from ...common.vllm_support import (
+        DEFAULT_CPU_KV_BYTES,
+        engine_flags,
+        kv_bytes_per_token,
+        probe_platform,
+        quant_scheme,
+        unservable_reason,
+    )
+
+    plat = probe_platform()
+    scheme = quant_scheme(src)
+    reason = unservable_reason(scheme, method, plat)
+    if reason:
+        raise StageError(
+            f"{artifact}: evaluation.lm_eval.backend vllm cannot evaluate it on this machine: {reason}. "
+            "Set evaluation.lm_eval.backend: hf (transformers reads every scheme), or evaluate on a machine whose vLLM serves it"
+        )
+    engine: dict = {"dtype": settings["dtype"], "seed": le.seed if le else 0, "enforce_eager": True}
+    if trust_remote_code:
+        engine["trust_remote_code"] = True
+    if plat["platform"] == "cpu":  # room for one sequence of the model's full length
+        bpt = (kv_bytes_per_token(src, None) or 0) * (2 if settings["dtype"] == "float32" else 1)
+        need = bpt * (text_config(src).get("max_position_embeddings") or 0)
+        engine["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
+    elif le is not None and le.gpu_memory_utilization is not None:
+        engine["gpu_memory_utilization"] = le.gpu_memory_utilization
+    return engine_flags(engine), {"engine": engine, "platform": plat, "scheme": scheme}
+
+
+def _evaluate(srv, inp, src: Path, out: Path, tok, rows, settings: dict, baseline_eval: Path | None, scores: Scores,
+              timings: dict, extra: dict) -> tuple[dict | None, dict | None, dict | None]:
+    lm_metrics = validation = fidelity = None
+    if inp.lm_eval is not None:
         t0 = time.perf_counter()
-        prompts = [TokensPrompt(prompt_token_ids=encode_prompt(tok, row, settings["add_bos"])) for row in rows]
-        outs = lm.model.generate(prompts, SamplingParams(temperature=0.0, max_tokens=inp.validation.max_new_tokens), use_tqdm=False)
-        texts = [output_text(tok, o.outputs[0].token_ids, inp.validation.stop) for o in outs]
+        lm, model_args = api_model(srv, src, inp.lm_eval, settings, inp.base.trust_remote_code)
+        extra["lm_eval_command"] = lm_eval_command(inp.lm_eval, model_args)
+        lm_metrics = run_lm_eval(inp.lm_eval, model_args, out, settings, scores, lm=lm)
+        timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
+        log.info("%s: lm-eval %s in %.1fs", inp.artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
+    if rows is not None:
+        t0 = time.perf_counter()
+        bodies = [{"prompt": encode_prompt(tok, row, settings["add_bos"]), "max_tokens": inp.validation.max_new_tokens,
+                   "temperature": 0.0, "return_token_ids": True} for row in rows]
+        outs = _complete_all(srv, bodies)
+        texts = [output_text(tok, o["choices"][0]["token_ids"], inp.validation.stop) for o in outs]
         validation = score_validation(rows, texts, inp.validation, out, scores)
         timings["validation_s"] = round(time.perf_counter() - t0, 2)
         log.info("%s: validation %s", inp.artifact, json.dumps(validation))
     if rows is not None or inp.fidelity is not None:
         t0 = time.perf_counter()
-        mine = prompt_logprobs(lm.model, sequences(inp, tok, rows, settings["add_bos"]))
+        mine = prompt_logprobs(srv, sequences(inp, tok, rows, settings["add_bos"]))
         if baseline_eval is None:  # the baseline keeps its logprobs for the artifacts' stages
             (out / "fidelity_reference.json").write_text(json.dumps({"logprobs": VLLM_LOGPROBS, "sequences": mine}))
         else:
@@ -73,59 +140,27 @@ def run_vllm(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: 
     return lm_metrics, validation, fidelity
 
 
-def vllm_model(src: Path, le, trust_remote_code: bool, artifact: str, method: str, settings: dict):
-    """lm-eval's vllm model, built as `lm_eval --model vllm --model_args ...` builds it (this starts the engine).
+def api_model(srv, src: Path, le, settings: dict, trust_remote_code: bool):
+    """lm-eval's local-completions model on `srv`, built as `lm_eval --model local-completions --model_args ...` builds it."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    Refused before any engine starts when vLLM has no kernel for the checkpoint's scheme on this machine."""
-    # What vLLM can run here and the CPU KV-cache size, decided as for the benchmark stage (common.vllm_support).
-    # Not in this stage's cache key: they decide a refusal, never cached, and a KV-cache size, which moves no figure.
     from ...common.hf_config import text_config
-    from ...common.vllm_support import (
-        DEFAULT_CPU_KV_BYTES,
-        kv_bytes_per_token,
-        probe_platform,
-        quant_scheme,
-        unservable_reason,
-    )
 
-    plat = probe_platform()
-    scheme = quant_scheme(src)
-    reason = unservable_reason(scheme, method, plat)
-    if reason:
-        raise StageError(
-            f"{artifact}: evaluation.lm_eval.backend vllm cannot evaluate it on this machine: {reason}. "
-            "Set evaluation.lm_eval.backend: hf (transformers reads every scheme), or evaluate on a machine whose vLLM serves it"
-        )
-    model_args = {"pretrained": str(src), "dtype": settings["dtype"], "add_bos_token": settings["add_bos"], "seed": le.seed}
+    model_args = {
+        "model": srv.served_model_name, "base_url": f"{srv.url}/v1/completions", "tokenizer": str(src), "tokenizer_backend": "huggingface",
+        "tokenized_requests": True, "add_bos_token": settings["add_bos"], "max_length": text_config(src).get("max_position_embeddings") or 2048,
+        "num_concurrent": CONCURRENT, "max_retries": 1, "timeout": REQUEST_TIMEOUT_S, "seed": le.seed,
+    }
     if trust_remote_code:
         model_args["trust_remote_code"] = True
-    if plat["platform"] == "cpu":
-        if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            # vLLM's CPU worker needs an explicit KV-cache size: room for one sequence of the model's full length
-            bpt = (kv_bytes_per_token(src, None) or 0) * (2 if settings["dtype"] == "float32" else 1)
-            need = bpt * (text_config(src).get("max_position_embeddings") or 0)
-            model_args["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
-    if le.gpu_memory_utilization is not None and plat["platform"] != "cpu":
-        model_args["gpu_memory_utilization"] = le.gpu_memory_utilization
-    # Evaluation measures accuracy, not speed: torch.compile and CUDA-graph capture would only lengthen the
-    # engine start (on the CPU 35-110 s on 2 cores; on an H200 ~45 s of a ~90 s start for an 8B model), and a
-    # separate engine-core process costs one more import of vLLM (~20 s there) and a hop per request. So the
-    # engine runs eager and in-process, on every platform; lm_eval_command records both.
-    model_args["enforce_eager"] = True
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from lm_eval.models.vllm_causallms import VLLM
-
-    lm = VLLM.create_from_arg_obj(model_args, {"batch_size": le.batch_size, "device": settings["device"]})
-    env = {k: os.environ[k] for k in VLLM_ENV if k in os.environ}
-    engine = {"model_args": {k: v for k, v in model_args.items() if k != "pretrained"}, "env": env, "platform": plat, "scheme": scheme}
-    return lm, model_args, engine
+    lm = LocalCompletionsAPI.create_from_arg_obj(model_args, {"batch_size": le.batch_size, "device": settings["device"]})
+    return lm, model_args
 
 
 def lm_eval_command(le, model_args: dict) -> str:
-    """The `lm_eval` command line (with the vLLM environment variables set) that gives the same lm-eval figures."""
-    cmd = [f"{k}={os.environ[k]}" for k in VLLM_ENV if k in os.environ]
-    cmd += ["lm_eval", "--model", "vllm", "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
-            "--tasks", ",".join(le.tasks), "--batch_size", str(le.batch_size), "--seed", str(le.seed)]
+    """The `lm_eval` command line that gives the same lm-eval figures against the same server."""
+    cmd = ["lm_eval", "--model", "local-completions", "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
+           "--tasks", ",".join(le.tasks), "--batch_size", str(le.batch_size), "--seed", str(le.seed)]
     if le.num_fewshot is not None:
         cmd += ["--num_fewshot", str(le.num_fewshot)]
     if le.limit is not None:
@@ -137,21 +172,38 @@ def lm_eval_command(le, model_args: dict) -> str:
     return " ".join(cmd)
 
 
-def prompt_logprobs(llm, seqs: list[tuple[list[int], int]]) -> list[list[dict]]:
-    """Per sequence (ids, first scored position), per scored token: its id and logprob, and the top logprobs of its position."""
-    from vllm import SamplingParams, TokensPrompt
+def _complete_all(srv, bodies: list[dict]) -> list[dict]:
+    """Each body posted to /v1/completions (CONCURRENT at a time), the responses in order."""
+    def post(body: dict) -> dict:
+        req = urllib.request.Request(f"{srv.url}/v1/completions", data=json.dumps({"model": srv.served_model_name, **body}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:400]
+            raise StageError(f"the vLLM server refused an evaluation request of {len(body['prompt'])} tokens (HTTP {e.code}: {detail}); "
+                             "a request longer than the served max_model_len needs a larger benchmark.engine.max_model_len") from None
+        except (urllib.error.URLError, OSError) as e:
+            srv.check_alive()
+            raise StageError(f"an evaluation request to the vLLM server failed ({e})") from None
 
-    if not seqs:
-        return []
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=VLLM_LOGPROBS, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in seqs], params, use_tqdm=False)
+    with ThreadPoolExecutor(CONCURRENT) as ex:
+        return list(ex.map(post, bodies))
+
+
+def prompt_logprobs(srv, seqs: list[tuple[list[int], int]]) -> list[list[dict]]:
+    """Per sequence (ids, first scored position), per scored token: its id and logprob, and the top logprobs of its position."""
+    outs = _complete_all(srv, [{"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": VLLM_LOGPROBS} for ids, _ in seqs])
     result = []
     for (ids, start), o in zip(seqs, outs):
+        plp = o["choices"][0]["prompt_logprobs"]
         positions = []
         for j in range(start, len(ids)):
-            d = o.prompt_logprobs[j]  # the position that predicts token j
-            top = sorted(((int(t), float(lp.logprob)) for t, lp in d.items() if lp.rank is not None and lp.rank <= VLLM_LOGPROBS), key=lambda x: -x[1])
-            positions.append({"target": int(ids[j]), "target_logprob": float(d[ids[j]].logprob), "top": top})
+            d = plp[j]  # the position that predicts token j: {token id: {logprob, rank, ...}}
+            top = sorted(((int(t), float(v["logprob"])) for t, v in d.items() if v.get("rank") is not None and v["rank"] <= VLLM_LOGPROBS),
+                         key=lambda x: -x[1])
+            positions.append({"target": int(ids[j]), "target_logprob": float(d[str(ids[j])]["logprob"]), "top": top})
         result.append(positions)
     return result
 

@@ -1,0 +1,137 @@
+"""Building stage entries for the runner: one stage's worker, or an evaluation and its benchmark from one worker.
+
+Each build runs `worker.py` in the stage's environment, in its own process group (run/process.py), and
+commits its output to the stage cache atomically. A joint job (`build_joint`) runs an artifact's evaluate and
+benchmark stages in one worker in the serve environment: the benchmark's server, once healthy, answers the
+evaluation (vLLM's OpenAI API), and is then measured; each stage keeps its own key and entry, so changing
+only `benchmark:` redoes the benchmark alone, and the reverse.
+
+    builder = Builder(runner)
+    marker = builder.build(step, base_dir, run_dir, grant)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from filelock import FileLock
+
+from ..envs import python_for
+from ..stages.contract import Upstream
+from .plan import Step
+from .process import exit_reason, tail
+from .schedule import Grant
+
+WORKER = Path(__file__).resolve().parent.parent / "worker.py"
+
+
+class StageFailed(Exception):
+    def __init__(self, summary: str, log_path: Path, tail: str):
+        super().__init__(summary)
+        self.summary, self.log_path, self.tail = summary, log_path, tail
+
+
+class Builder:
+    """Builds entries of `runner`'s cache from its records (upstream outputs), with its processes and console."""
+
+    def __init__(self, runner):
+        self.r = runner
+
+    def build_locked(self, s: Step, base_dir: str, run_dir: Path, grant: Grant, forced: bool, state: str) -> tuple[dict, str]:
+        """Under the entry's lock: another run may be building the same entry; wait, then reuse it."""
+        self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.r.cache.entry(s.id, s.key)) + ".lock"):
+            marker = None if forced else self.r.cache.lookup(s.id, s.key)
+            return (marker, "hit") if marker is not None else (self.build(s, base_dir, run_dir, grant), state)
+
+    def build(self, s: Step, base_dir: str, run_dir: Path, grant: Grant) -> dict:
+        work = self.r.cache.begin(s.id, s.key)
+        spec, src, upstream = self._spec(s, base_dir, work)
+        log_path = run_dir / "logs" / f"{s.id.replace(':', '_')}.log"
+        on = f" on GPU {','.join(grant.gpus)}" if grant.gpus else ""
+        self.r.say(f"  [cyan]>[/cyan] {s.id:<24} running in the {s.env} environment{on} (log: {log_path})")
+        t0 = time.perf_counter()
+        rc = self._spawn(s, spec, [work], log_path, grant)
+        if rc != 0:
+            shutil.rmtree(work, ignore_errors=True)
+            raise self._failure(s, rc, log_path)
+        return self._commit(s, work, src, upstream, t0, log_path)
+
+    def build_joint(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, state: dict) -> dict:
+        works = {s.id: self.r.cache.begin(s.id, s.key) for s in (e, b)}
+        (spec_e, src, up_e), (spec_b, _, up_b) = self._spec(e, base_dir, works[e.id]), self._spec(b, base_dir, works[b.id])
+        log_path = run_dir / "logs" / f"{b.id.replace(':', '_')}.log"
+        on = f" on GPU {','.join(grant.gpus)}" if grant.gpus else ""
+        self.r.say(f"  [cyan]>[/cyan] {e.id} + {b.id}: one server in the {b.env} environment{on} (log: {log_path})")
+        t0 = time.perf_counter()
+        rc = self._spawn(b, {**spec_b, "evaluate": spec_e}, list(works.values()), log_path, grant)
+        built: dict[str, object] = {}
+        ew = works[e.id]
+        try:
+            if (ew / "metrics.json").exists():
+                built[e.id] = (self._commit(e, ew, src, up_e, None, log_path), state[e.id])
+            else:
+                why = json.loads((ew / "failed.json").read_text()) if (ew / "failed.json").exists() else {"rc": rc, "error": None}
+                built[e.id] = self._failure(e, why["rc"], log_path, why["error"])
+        except StageFailed as exc:
+            built[e.id] = exc
+        finally:
+            shutil.rmtree(ew, ignore_errors=True)
+        try:
+            if rc != 0:
+                raise self._failure(b, rc, log_path)
+            built[b.id] = (self._commit(b, works[b.id], src, up_b, t0, log_path), state[b.id])
+        except StageFailed as exc:
+            built[b.id] = exc
+        finally:
+            shutil.rmtree(works[b.id], ignore_errors=True)
+        return built
+
+    def _spec(self, s: Step, base_dir: str, work: Path) -> tuple[dict, str, dict]:
+        """The worker's spec of `s` building in `work`, its input folder and upstream records."""
+        src = base_dir if s.src == "external" else str(self.r.records[s.src].out)
+        upstream = {role: self.r.records[sid] for role, sid in s.refs.items() if sid in self.r.records}
+        if s.kind == "package":  # its manifest names the key of the entry it is built into
+            upstream["self"] = Upstream(out=work / "out", stage=s.id, key=s.key)
+        spec = {
+            "stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"), "src": src, "out": str(work / "out"),
+            "upstream": {role: u.to_json() for role, u in upstream.items()}, "metrics": str(work / "metrics.json"),
+        }
+        return spec, src, upstream
+
+    def _spawn(self, s: Step, spec: dict, works: list[Path], log_path: Path, grant: Grant) -> int | None:
+        """The worker on `spec` (written to the last working folder); on Ctrl-C or SIGTERM every working folder goes."""
+        (works[-1] / "spec.json").write_text(json.dumps(spec, indent=2, default=str))
+        try:
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(grant.gpus)} if grant.gpus else {}
+            return self.r.procs.spawn([str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")], log_path, self.r.stage_timeout_s, env)
+        except BaseException:  # the stage was stopped, its half output goes
+            for w in works:
+                shutil.rmtree(w, ignore_errors=True)
+            raise
+
+    def _failure(self, s: Step, rc: int | None, log_path: Path, error: str | None = None) -> StageFailed:
+        last = tail(log_path)
+        if rc is None:  # ran past --stage-timeout and was stopped
+            return StageFailed(f"{s.id} ran longer than --stage-timeout ({self.r.stage_timeout_s / 60:g} min) and was stopped with its "
+                               f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})", log_path, last)
+        err = [ln for ln in last.splitlines() if ln.startswith("STAGE_ERROR: ")]
+        summary = error or (err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(rc)}; last lines of {log_path}:\n{last}")
+        return StageFailed(summary, log_path, last)
+
+    def _commit(self, s: Step, work: Path, src: str, upstream: dict, t0: float | None, log_path: Path) -> dict:
+        """Commit `work` as the entry of `s`; its wall time from `t0`, or (None) the stage's own (a joint job's evaluation)."""
+        metrics = json.loads((work / "metrics.json").read_text())
+        (work / "metrics.json").unlink()
+        (work / "spec.json").unlink(missing_ok=True)
+        wall = metrics.get("wall_s") if t0 is None else round(time.perf_counter() - t0, 3)
+        try:
+            return self.r.cache.commit(work, s.id, s.key, {"metrics": metrics, "wall_s": wall},
+                                     inputs=[src, *(str(u.out) for role, u in upstream.items() if role != "self")])
+        except OSError as e:
+            shutil.rmtree(work, ignore_errors=True)
+            raise StageFailed(f"could not commit the output of {s.id} to {self.r.cache.root}: {e}", log_path, "") from None
+
