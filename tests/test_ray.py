@@ -256,6 +256,38 @@ def test_a_two_recipe_matrix_on_two_nodes_builds_every_entry_once(tiny, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.long
+def test_an_evaluation_and_its_benchmark_are_one_task_with_one_server(tiny, tmp_path, cluster):
+    """Backend vllm on the cluster: each model's evaluate and benchmark stages are one Ray task, one `vllm serve` start,
+    and both entries are committed on the node, each under its own key."""
+    path = tmp_path / "rv.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "rv", "output_dir": str(tmp_path / "out"), "base": {"model": str(tiny.llama), "dtype": "bfloat16"},
+        "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
+        "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 16, "max_seq_len": 64},
+        "evaluation": {"lm_eval": {"tasks": ["tiny_facts_mc"], "include_path": str(tiny.tasks), "limit": 16, "backend": "vllm"}},
+        "benchmark": {"engine": {"max_model_len": 512, "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456},
+                      "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}],
+                      "concurrency": [1]},
+        "package": {"enabled": False},
+    }))
+    cache = tmp_path / "cache"
+    rc, err = finish(quantpipe(str(path), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="joint"), tmp_path, "joint")
+    assert rc == 0, err[-4000:]
+    rec = record(tmp_path / "out")
+    for m in ("baseline", "int8"):
+        ev, bm = rec["stages"][f"evaluate:{m}"], rec["stages"][f"benchmark:{m}"]
+        assert (ev["cache"], bm["cache"], ev["status"], bm["status"]) == ("miss", "miss", "ok", "ok")
+        assert ev["metrics"]["engine"]["shared"] is True and bm["metrics"]["shared_s"] > 0
+        assert len(bm["placement"]["attempts"]) == 1 and bm["placement"]["request"]["num_gpus"] == 1
+        server_log = (Path(bm["out"]) / "logs" / "server-default.log").read_text()
+        assert len([ln for ln in server_log.splitlines() if ln.startswith("$ ") and " serve " in ln]) == 1
+    assert {"evaluate:baseline", "evaluate:int8", "benchmark:baseline", "benchmark:int8"} <= set(committed(cache))
+    assert not leftovers(cache)
+    assert_entries_verify(cache)
+
+
+@pytest.mark.slow
+@pytest.mark.long
 def test_a_node_without_the_environments_is_refused_by_its_address(tiny, tmp_path, cluster):
     saved = os.environ.get("QUANTPIPE_PYTHON_QUANTIZE")
     os.environ["QUANTPIPE_PYTHON_QUANTIZE"] = str(tmp_path / "nowhere" / "python")  # this node's `ray start` has no quantize environment

@@ -21,24 +21,22 @@ import os
 import shutil
 import socket
 import threading
-import uuid
 from concurrent.futures import Future
 from pathlib import Path
 
 from filelock import FileLock
 
-from ..envs import hardware_key, lock_hash, source_hash
+from ..envs import lock_hash, source_hash
 from . import ray_boot
 from .build import StageFailed
 from .process import exit_reason, tail
+from .ray_probe import PACKAGE, check_nodes
 from .runner import RunError
 from .schedule import SHARED, Grant
 
 log = logging.getLogger(__name__)
 MAX_RETRIES = 3  # Ray re-runs a task whose node or worker died this many times (not one whose stage failed)
 RUN_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "QUANTPIPE_VERIFY")  # the driver's, handed to stages
-PROBE_TIMEOUT_S = 120
-PACKAGE = str(Path(__file__).resolve().parents[1])  # this checkout's quantpipe: each node loads the one at the same path
 
 
 def _loopback(address: str) -> bool:
@@ -98,63 +96,8 @@ class RayCluster:
         return f"{self.nodes.get(node_id, {}).get('address', '?')} (node {node_id[:8]})"
 
     def check(self, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
-        """Every node must see each cache (a probe file each way), honour its locks, and hold the same environments and
-        stage code as this driver: a node that does not is refused by its address, before anything is written."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        want = ({str(c) for c in caches}, set(envs), set(kinds))
-        if all(w <= p for w, p in zip(want, self.probed)):
-            return
-        caches, envs, kinds = [Path(c) for c in sorted(want[0] | self.probed[0])], want[1] | self.probed[1], want[2] | self.probed[2]
-        token = uuid.uuid4().hex
-        held, probes = [], {}
-        try:
-            for root in caches:
-                d = Path(root) / "tmp" / "ray"
-                d.mkdir(parents=True, exist_ok=True)
-                (d / f"probe-{token}").write_text(token)
-                lock = FileLock(str(d / f"probe-{token}.lock"))
-                lock.acquire()
-                held.append(lock)
-            job = {"caches": [str(c) for c in caches], "token": token, "envs": {e: lock_hash(e) for e in envs},
-                   "code": {k: source_hash(k) for k in kinds}}
-            refs = {self.task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(PACKAGE, "probe", job): nid
-                    for nid in self.refresh()}
-            ready, late = self.ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
-            problems = [f"node {self.name(refs[r])} did not answer a probe task within {PROBE_TIMEOUT_S} s; check that node (`ray status`)" for r in late]
-            for r in ready:
-                nid = refs[r]
-                try:
-                    found = self.ray.get(r)
-                except self.ray.exceptions.RayError as e:
-                    problems.append(f"node {self.name(nid)}: the probe task failed ({str(e).splitlines()[0][:200]})")
-                    continue
-                probes[nid] = found
-                problems += [f"node {self.name(nid)}: {p}" for p in found["problems"]]
-                if found["lock_problem"] and os.environ.get("QUANTPIPE_CACHE_LOCKS") == "per-host":  # the user runs one driver per cache
-                    log.warning("node %s: %s (QUANTPIPE_CACHE_LOCKS=per-host: going on)", self.name(nid), found["lock_problem"])
-                elif found["lock_problem"]:
-                    problems.append(f"node {self.name(nid)}: {found['lock_problem']}")
-                for root in caches:
-                    seen = Path(root) / "tmp" / "ray" / f"probe-{token}.{nid}"
-                    if not found["problems"] and (not seen.is_file() or seen.read_text() != token):
-                        problems.append(f"node {self.name(nid)}: a probe it wrote into the stage cache {root} is not visible here; "
-                                        "mount the same storage at the same path on every node and on this driver, or pass --cache")
-            if problems:
-                raise RunError("--executor ray: " + "; ".join(problems[:1]) + "".join(f"\n  - {p}" for p in problems[1:]))
-        finally:
-            for lock in held:
-                lock.release()
-            for root in caches:
-                for p in (Path(root) / "tmp" / "ray").glob(f"probe-{token}*"):
-                    p.unlink(missing_ok=True)
-        for nid, found in probes.items():
-            self.nodes[nid] |= {k: found[k] for k in ("gpus", "gpu", "ram_bytes", "cpus", "hardware")}
-        other = sorted({self.name(i) for i, n in self.nodes.items() if n.get("alive") and n["resources"].get("GPU") and n.get("hardware") != hardware_key()})
-        if "benchmark" in kinds and other:
-            log.warning("benchmark keys and records describe this driver's host, but benchmarks run on %s, whose hardware differs; "
-                        "run quantpipe on a node like them so that a benchmark is never reused across hardware (docs/cluster.md)", ", ".join(other))
-        self.probed = ({str(c) for c in caches}, set(envs), set(kinds))
+        """Every node must see each cache, honour its locks, and hold this driver's environments and stage code (ray_probe.py)."""
+        check_nodes(self, caches, envs, kinds)
 
     def gpu_total_bytes(self) -> int | None:
         """The smallest GPU of the nodes that have Ray GPUs and know their size (nvidia-smi, or simulated ones)."""
@@ -239,6 +182,7 @@ class RayStages:
         self.scheduler = Unlimited(cluster.jobs)
         self.refs: dict[str, object] = {}  # stage id -> its running task
         self.cancels: dict[str, Path] = {}  # stage id -> the file that tells its task to stop
+        self.joint_out: dict[str, dict | None] = {}  # evaluate stage id -> what its benchmark's task made of it
 
     def preflight(self, recipe, steps, base_dir, cache_dir, out_dir, todo):
         """Pre-flight against the cluster's nodes (the largest one's memory and GPU), not against this driver's host."""
@@ -263,9 +207,12 @@ class RayStages:
     def build(self, s, base_dir: str, run_dir: Path, forced: bool, state: str) -> tuple[dict, str]:
         """Build one entry on the cluster; a recipe asking for an entry another recipe is building waits for that build."""
         fut, mine = self.cluster.claim((s.id, s.key))
-        if not mine:
+        while not mine:
             self.runner.say(f"  [cyan]>[/cyan] {s.id:<24} being built for another recipe of this run; waiting for it")
-            return {k: v for k, v in fut.result().items() if k != "placement"}, "hit"
+            try:
+                return {k: v for k, v in fut.result().items() if k != "placement"}, "hit"
+            except Released:  # given back unbuilt (build_joint): claim it again
+                fut, mine = self.cluster.claim((s.id, s.key))
         try:
             marker, state = self._submit(s, base_dir, run_dir, forced, state)
         except BaseException as e:
@@ -277,11 +224,50 @@ class RayStages:
         finally:
             self.cluster.done((s.id, s.key))
 
-    def _submit(self, s, base_dir: str, run_dir: Path, forced: bool, state: str) -> tuple[dict, str]:
-        r, c, ray = self.runner, self.cluster, self.cluster.ray
+    def build_joint(self, e, b, base_dir: str, run_dir: Path, forced: dict, state: dict) -> dict:
+        """An evaluation and its benchmark as one task, one server for both: {stage id: (marker, state) or StageFailed}.
+        Each on its own where another recipe of this run is building either, or the node finds either built."""
+        claims = {x.id: self.cluster.claim((x.id, x.key)) for x in (e, b)}
+        if not all(mine for _, mine in claims.values()):
+            for x in (e, b):
+                if claims[x.id][1]:  # given back unbuilt: a recipe waiting for it claims it again
+                    self.cluster.done((x.id, x.key))
+                    claims[x.id][0].set_exception(Released())
+            return {x.id: _attempt(lambda x=x: self.build(x, base_dir, run_dir, forced[x.id], state[x.id])) for x in (e, b)}
+        built: dict = {}
+        try:
+            built[b.id] = _attempt(lambda: self._submit(b, base_dir, run_dir, forced[b.id], state[b.id], joint=(e, forced[e.id])))
+            j = self.joint_out.pop(e.id, None) or {"state": "split"}
+            if j["state"] == "built":
+                built[e.id] = (j["marker"], state[e.id])
+            elif j["state"] == "failed":
+                log_path = run_dir / "logs" / f"{b.id.replace(':', '_')}.log"
+                built[e.id] = StageFailed(j["summary"], log_path, tail(log_path))
+            else:  # the task never ran it: on its own
+                built[e.id] = _attempt(lambda: self._submit(e, base_dir, run_dir, forced[e.id], state[e.id]))
+        except BaseException as exc:
+            for x in (e, b):
+                claims[x.id][0].set_exception(exc)
+            raise
+        else:
+            for x in (e, b):
+                res = built[x.id]
+                claims[x.id][0].set_exception(res) if isinstance(res, StageFailed) else claims[x.id][0].set_result(res[0])
+            return built
+        finally:
+            for x in (e, b):
+                self.cluster.done((x.id, x.key))
+
+    def _spec(self, s, base_dir: str) -> dict:
+        r = self.runner
         upstream = {role: r.records[sid].to_json() for role, sid in s.refs.items() if sid in r.records}
-        spec = {"stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"),
+        return {"stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"),
                 "src": base_dir if s.src == "external" else str(r.records[s.src].out), "upstream": upstream}
+
+    def _submit(self, s, base_dir: str, run_dir: Path, forced: bool, state: str, joint=None) -> tuple[dict, str]:
+        """Build `s` as one task; `joint` (evaluate step, forced): its evaluation too, whose outcome goes to joint_out."""
+        r, c, ray = self.runner, self.cluster, self.cluster.ray
+        spec = self._spec(s, base_dir)
         name = s.id.replace(":", "_")
         live = r.cache.root / "tmp" / "ray" / run_dir.name / name  # the stage's log and attempts while it runs (every node sees it)
         live.mkdir(parents=True, exist_ok=True)
@@ -290,6 +276,10 @@ class RayStages:
                "log": str(live / "stage.log"), "attempts": str(live / "attempts.jsonl"), "cancel": str(live / "cancel"), "timeout_s": r.stage_timeout_s,
                "run_env": {k: os.environ[k] for k in RUN_ENV if k in os.environ},
                "expect": {"env": lock_hash(s.env), "code": source_hash(s.kind)}}
+        if joint is not None:
+            e, forced_e = joint
+            job["joint"] = {"stage": e.id, "kind": e.kind, "key": e.key, "env": e.env, "forced": forced_e, "spec": self._spec(e, base_dir),
+                            "expect": {"env": lock_hash(e.env), "code": source_hash(e.kind)}}
         tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
         req = c.request(s.kind, r.estimates.get(s.id), tp)
         asks = ", ".join(f"{k.removeprefix('num_')} {_fmt('memory' if k == 'memory' else k, v)}" for k, v in req.items() if v)
@@ -311,6 +301,10 @@ class RayStages:
             finally:
                 self.refs.pop(s.id, None)
                 self.cancels.pop(s.id, None)
+            if out["state"] == "split":  # the node found one of the two built: each on its own
+                return self._submit(s, base_dir, run_dir, forced, state)
+            if joint is not None:
+                self.joint_out[joint[0].id] = out.get("joint")
             if out["state"] != "busy":
                 break
             # another run holds the entry's lock: wait for it here, where waiting holds no cluster resources
@@ -371,6 +365,18 @@ class RayStages:
                     self.cluster.ray.cancel(ref, force=True)
                 except Exception:
                     pass
+
+
+class Released(Exception):
+    """A claim on an entry given back unbuilt: claim it again."""
+
+
+def _attempt(build):
+    """build()'s (marker, state), or the StageFailed it raised."""
+    try:
+        return build()
+    except StageFailed as e:
+        return e
 
 
 def _move(src: Path, dst: Path) -> None:

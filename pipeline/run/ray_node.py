@@ -1,4 +1,4 @@
-"""The node side of `--executor ray`: the task that builds one cache entry where Ray placed it, and the start-up probe.
+"""The node side of `--executor ray`: the task that builds a cache entry where Ray placed it, and the start-up probe.
 
 A task takes the entry's lock (the same one the local runner takes), builds in a fresh working folder beside the
 entry and commits it, as the local runner does; it ends its attempt uncommitted if its node's raylet dies.
@@ -114,62 +114,96 @@ def _uncap_threads() -> None:
 
 
 def run_stage(job: dict) -> dict:
-    """One attempt at one entry, on the node Ray chose: lock, build in a fresh folder, commit; the same as the local runner."""
+    """One attempt at one entry, on the node Ray chose: lock, build in a fresh folder, commit; the same as the local runner.
+    `job["joint"]` names a second entry (an evaluation its benchmark's server answers) built by the same worker, both
+    locks held; its outcome comes back under "joint". "split": one of the two was built meanwhile, build each alone."""
     import ray
 
     nid = ray.get_runtime_context().get_node_id()
-    cache, stage, key = StageCache(Path(job["cache"])), job["stage"], job["key"]
-    entry = cache.entry(stage, key)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(str(entry) + ".lock")
+    cache = StageCache(Path(job["cache"]))
+    jobs = [job, *([job["joint"]] if job.get("joint") else [])]
+    locks = []
     try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        return {"state": "busy"}
-    try:
-        marker = None if job["forced"] else cache.lookup(stage, key)
-        if marker is not None:
-            return {"state": "hit", "marker": marker}
-        Path(job["attempts"]).parent.mkdir(parents=True, exist_ok=True)
-        with open(job["attempts"], "a") as f:  # on shared storage: the driver reads every attempt, also those of lost nodes
-            f.write(json.dumps({"node_id": nid, "pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}) + "\n")
-        wrong = _node_problems({"envs": {job["env"]: job["expect"]["env"]}, "code": {job["kind"]: job["expect"]["code"]}})
+        for j in jobs:
+            entry = cache.entry(j["stage"], j["key"])
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(entry) + ".lock")
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                return {"state": "busy"}
+            locks.append(lock)
+        markers = [None if j["forced"] else cache.lookup(j["stage"], j["key"]) for j in jobs]
+        if len(jobs) > 1 and any(markers):
+            return {"state": "split"}
+        if markers[0] is not None:
+            return {"state": "hit", "marker": markers[0]}
+        return _build(job, jobs, cache, nid)
+    finally:
+        for lock in locks:
+            lock.release()
+
+
+def _build(job: dict, jobs: list[dict], cache: StageCache, nid: str) -> dict:
+    import ray
+
+    Path(job["attempts"]).parent.mkdir(parents=True, exist_ok=True)
+    with open(job["attempts"], "a") as f:  # on shared storage: the driver reads every attempt, also those of lost nodes
+        f.write(json.dumps({"node_id": nid, "pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}) + "\n")
+    for j in jobs:
+        wrong = _node_problems({"envs": {j["env"]: j["expect"]["env"]}, "code": {j["kind"]: j["expect"]["code"]}})
         if wrong:
-            return {"state": "failed", "summary": f"{stage} cannot run on node {socket.gethostname()} ({nid[:8]}): {wrong[0]}"}
-        for old in entry.parent.glob(f".{key}.*-*"):  # folders of attempts that died: we hold the lock, nobody else builds it
+            return {"state": "failed", "summary": f"{j['stage']} cannot run on node {socket.gethostname()} ({nid[:8]}): {wrong[0]}"}
+    works, specs = [], []
+    for j in jobs:
+        entry = cache.entry(j["stage"], j["key"])
+        for old in entry.parent.glob(f".{j['key']}.*-*"):  # folders of attempts that died: we hold the lock, nobody else builds it
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
-        work = entry.parent / f".{key}.ray-{nid[:12]}-{os.getpid()}-{time.monotonic_ns()}"
+        work = entry.parent / f".{j['key']}.ray-{nid[:12]}-{os.getpid()}-{time.monotonic_ns()}"
         (work / "out").mkdir(parents=True)
-        spec = {**job["spec"], "out": str(work / "out"), "metrics": str(work / "metrics.json")}
-        if job["kind"] == "package":  # its manifest names the key of the entry it is built into
-            spec["upstream"] = {**spec["upstream"], "self": Upstream(out=work / "out", stage=stage, key=key).to_json()}
-        (work / "spec.json").write_text(json.dumps(spec, indent=2, default=str))
-        _uncap_threads()
-        procs = Processes(cache.root / "tmp", secrets())
-        watching, lost = _watch(procs, work, Path(job["cancel"]))
-        t0 = time.perf_counter()
-        try:
-            rc = procs.spawn([str(python_for(job["env"])), str(WORKER), str(work / "spec.json")], Path(job["log"]), job["timeout_s"], job["run_env"])
-        except BaseException:  # cancelled: the stage was stopped, its half output goes
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-        finally:
-            if lost.is_set():  # the node is gone: this worker exits in a moment, returning nothing
-                threading.Event().wait()
-            watching.set()
-        if rc != 0:
-            shutil.rmtree(work, ignore_errors=True)
-            return {"state": "cancelled" if Path(job["cancel"]).exists() else "failed", "rc": rc}
-        metrics = json.loads((work / "metrics.json").read_text())
-        (work / "metrics.json").unlink()
-        (work / "spec.json").unlink()
-        inputs = [spec["src"], *(u["out"] for role, u in spec["upstream"].items() if role != "self")]
-        try:
-            marker = cache.commit(work, stage, key, {"metrics": metrics, "wall_s": round(time.perf_counter() - t0, 3)}, inputs=inputs)
-        except OSError as e:
-            shutil.rmtree(work, ignore_errors=True)
-            return {"state": "failed", "summary": f"could not commit the output of {stage} to {cache.root}: {e}"}
-        return {"state": "built", "marker": marker, "node_id": nid, "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
+        spec = {**j["spec"], "out": str(work / "out"), "metrics": str(work / "metrics.json")}
+        if j["kind"] == "package":  # its manifest names the key of the entry it is built into
+            spec["upstream"] = {**spec["upstream"], "self": Upstream(out=work / "out", stage=j["stage"], key=j["key"]).to_json()}
+        works.append(work)
+        specs.append(spec)
+    (works[0] / "spec.json").write_text(json.dumps({**specs[0], **({"evaluate": specs[1]} if len(jobs) > 1 else {})}, indent=2, default=str))
+    _uncap_threads()
+    procs = Processes(cache.root / "tmp", secrets())
+    watching, lost = _watch(procs, works[0], Path(job["cancel"]))
+    t0 = time.perf_counter()
+    try:
+        rc = procs.spawn([str(python_for(job["env"])), str(WORKER), str(works[0] / "spec.json")], Path(job["log"]), job["timeout_s"], job["run_env"])
+    except BaseException:  # cancelled: the stage was stopped, its half output goes
+        for w in works:
+            shutil.rmtree(w, ignore_errors=True)
+        raise
     finally:
-        lock.release()
+        if lost.is_set():  # the node is gone: this worker exits in a moment, returning nothing
+            threading.Event().wait()
+        watching.set()
+    joint = _commit(cache, jobs[1], works[1], specs[1], None) if len(jobs) > 1 else None
+    if rc != 0:
+        shutil.rmtree(works[0], ignore_errors=True)
+        return {"state": "cancelled" if Path(job["cancel"]).exists() else "failed", "rc": rc, "joint": joint}
+    return {**_commit(cache, job, works[0], specs[0], t0), "node_id": nid, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "joint": joint}
+
+
+def _commit(cache: StageCache, j: dict, work: Path, spec: dict, t0: float | None) -> dict:
+    """{"state": "built", "marker"} once `work` is committed; a joint evaluation without a result: {"state": "failed", "summary"}.
+    The wall time from `t0`, or (None) the stage's own."""
+    if not (work / "metrics.json").exists():
+        why = json.loads((work / "failed.json").read_text()) if (work / "failed.json").exists() else {}
+        shutil.rmtree(work, ignore_errors=True)
+        return {"state": "failed", "summary": why.get("error") or f"{j['stage']} wrote no result (its log says why)"}
+    metrics = json.loads((work / "metrics.json").read_text())
+    (work / "metrics.json").unlink()
+    (work / "spec.json").unlink(missing_ok=True)
+    inputs = [spec["src"], *(u["out"] for role, u in spec["upstream"].items() if role != "self")]
+    wall = metrics.get("wall_s") if t0 is None else round(time.perf_counter() - t0, 3)
+    try:
+        marker = cache.commit(work, j["stage"], j["key"], {"metrics": metrics, "wall_s": wall}, inputs=inputs)
+    except OSError as e:
+        shutil.rmtree(work, ignore_errors=True)
+        return {"state": "failed", "summary": f"could not commit the output of {j['stage']} to {cache.root}: {e}"}
+    return {"state": "built", "marker": marker}

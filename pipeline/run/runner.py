@@ -209,6 +209,8 @@ class Runner:
         try:
             while pending or threads or not done.empty():
                 for s in list(pending):
+                    if s not in pending:
+                        continue  # taken this round with its evaluation (a joint job)
                     deps = [d for d in (s.src, *s.refs.values()) if d in ids]
                     broken = [d for d in deps if d in failed]
                     if broken:
@@ -226,7 +228,7 @@ class Runner:
                         work([s], Grant([]))
                         continue
                     job = [s]
-                    b = by_id.get(s.joint) if self.executor is None else None  # Ray runs each stage as its own task
+                    b = by_id.get(s.joint)
                     if b in pending and (_forced(b, force) or self.cache.lookup(b.id, b.key) is None) and all(
                             d in self.records for d in (b.src, *b.refs.values()) if d in ids):
                         job = [s, b]  # both to build: one job, on the benchmark's terms (whole GPUs, or the host alone)
@@ -299,12 +301,15 @@ class Runner:
     def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant) -> list[dict]:
         """An artifact's evaluation and benchmark from one process in the serve environment: the benchmark's server, once
         healthy, answers the evaluation, then is measured (quantpipe.worker). Each keeps its own key and entry."""
+        state = {s.id: "forced" if _forced(s, force) else "miss" for s in (e, b)}
+        if self.executor is not None:  # one Ray task; a node takes both entries' locks (run/ray_executor.py)
+            built = self.executor.build_joint(e, b, base_dir, run_dir, {s.id: _forced(s, force) for s in (e, b)}, state)
+            return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b)]
         for s in (b, e):
             self.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
         built: dict[str, object] = {}
         with FileLock(str(self.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.cache.entry(e.id, e.key)) + ".lock"):
             have = {s.id: None if _forced(s, force) else self.cache.lookup(s.id, s.key) for s in (e, b)}
-            state = {s.id: "forced" if _forced(s, force) else "miss" for s in (e, b)}
             if any(have.values()):  # another run built one of them meanwhile: the other on its own
                 for s in (e, b):
                     try:
