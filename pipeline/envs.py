@@ -175,7 +175,9 @@ def git_commit() -> str | None:
         return os.environ["QUANTPIPE_GIT_COMMIT"]
     try:
         r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+        # --no-optional-locks: reading the status takes no index.lock, so a run stopped mid-call leaves none behind
+        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
         return r.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if r.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
