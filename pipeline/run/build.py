@@ -60,6 +60,23 @@ class Builder:
             raise self._failure(s, rc, log_path)
         return self._commit(s, work, src, upstream, t0, log_path)
 
+    def build_joint_locked(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, forced: dict, state: dict) -> dict:
+        """Under both entries' locks, the evaluation `e` and its benchmark `b` as one job: {stage id: (marker, state) or
+        StageFailed}; where another run built one of them meanwhile, the other on its own."""
+        for s in (b, e):
+            self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.r.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.r.cache.entry(e.id, e.key)) + ".lock"):
+            have = {s.id: None if forced[s.id] else self.r.cache.lookup(s.id, s.key) for s in (e, b)}
+            if not any(have.values()):
+                return self.build_joint(e, b, base_dir, run_dir, grant, state)
+            built: dict[str, object] = {}
+            for s in (e, b):
+                try:
+                    built[s.id] = (have[s.id], "hit") if have[s.id] else (self.build(s, base_dir, run_dir, grant), state[s.id])
+                except StageFailed as exc:
+                    built[s.id] = exc
+            return built
+
     def build_joint(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, state: dict) -> dict:
         works = {s.id: self.r.cache.begin(s.id, s.key) for s in (e, b)}
         (spec_e, src, up_e), (spec_b, _, up_b) = self._spec(e, base_dir, works[e.id]), self._spec(b, base_dir, works[b.id])

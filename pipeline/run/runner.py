@@ -4,8 +4,8 @@ Order: merge once; the unquantized merged model is the `baseline` that is evalua
 like every artifact; then per artifact quantize -> evaluate -> benchmark -> package; one report.
 Each stage runs as a subprocess (`worker.py`) in its environment, in its own process group (run/process.py), and
 its output is committed to the stage cache atomically (run/build.py). Under the vllm evaluation backend, an
-artifact's evaluate and benchmark stages that both need building run as one job, one server for both. A run writes `<output_dir>/runs/<run_id>/` (run.json,
-run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>` by an atomic symlink swap (run/publish.py).
+artifact's evaluate and benchmark stages that both need building run as one job, one server for both. A run
+writes `<output_dir>/runs/<run_id>/` (run.json, run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>` by an atomic symlink swap (run/publish.py).
 
     quantpipe run recipes/demo.yaml --dry-run
 """
@@ -301,23 +301,10 @@ class Runner:
     def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant) -> list[dict]:
         """An artifact's evaluation and benchmark from one process in the serve environment: the benchmark's server, once
         healthy, answers the evaluation, then is measured (quantpipe.worker). Each keeps its own key and entry."""
-        state = {s.id: "forced" if _forced(s, force) else "miss" for s in (e, b)}
-        if self.executor is not None:  # one Ray task; a node takes both entries' locks (run/ray_executor.py)
-            built = self.executor.build_joint(e, b, base_dir, run_dir, {s.id: _forced(s, force) for s in (e, b)}, state)
-            return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b)]
-        for s in (b, e):
-            self.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
-        built: dict[str, object] = {}
-        with FileLock(str(self.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.cache.entry(e.id, e.key)) + ".lock"):
-            have = {s.id: None if _forced(s, force) else self.cache.lookup(s.id, s.key) for s in (e, b)}
-            if any(have.values()):  # another run built one of them meanwhile: the other on its own
-                for s in (e, b):
-                    try:
-                        built[s.id] = (have[s.id], "hit") if have[s.id] else (self.builder.build(s, base_dir, run_dir, grant), state[s.id])
-                    except StageFailed as exc:
-                        built[s.id] = exc
-            else:
-                built = self.builder.build_joint(e, b, base_dir, run_dir, grant, state)
+        forced = {s.id: _forced(s, force) for s in (e, b)}
+        state = {sid: "forced" if f else "miss" for sid, f in forced.items()}
+        built = (self.executor.build_joint(e, b, base_dir, run_dir, forced, state) if self.executor  # one Ray task, a node takes both locks
+                 else self.builder.build_joint_locked(e, b, base_dir, run_dir, grant, forced, state))
         return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b)]
 
     def _trap_signals(self):
