@@ -24,7 +24,12 @@
 #                                              stage starts them, each from a new directory of hard links;
 #                                              1 and 3 through one links directory, 2 through its own (the
 #                                              control); start times and compile lines into $OUT
-#   bench/h200_run.sh collect SECONDS          wait for `pipeline` or `nightly` (at most SECONDS), print its
+#   bench/h200_run.sh one-gpu                  one H200, detached: the tiny model's whole recipe (each artifact's
+#                                              evaluation through its benchmark's server), its baseline's lm-eval
+#                                              figures against `lm_eval --model vllm` (bench/bench_eval_agreement.py),
+#                                              then the 8B shape's baseline and fp8 (merge and quantize beside the tiny
+#                                              run, then evaluation + benchmark as one job per artifact, packages)
+#   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly` or `one-gpu` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 #
@@ -99,9 +104,9 @@ bench-serve)
   echo "bench-serve rc=$rc after $(( $(date +%s) - t0 )) s"
   exit $rc
   ;;
-pipeline|nightly)
+pipeline|nightly|one-gpu)
   mkdir -p /tmp/qp/log && rm -f /tmp/qp/log/done
-  if [ $phase = pipeline ]; then drive=(_drive "${1:-llama3-8b}"); else drive=(_nightly); fi
+  case $phase in pipeline) drive=(_drive "${1:-llama3-8b}") ;; nightly) drive=(_nightly) ;; *) drive=(_one) ;; esac
   setsid nohup bash bench/h200_run.sh "${drive[@]}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
   echo "$phase started (pid $!): bench/h200_run.sh collect SECONDS to follow it"
   ;;
@@ -112,6 +117,20 @@ _nightly)
   CUDA_VISIBLE_DEVICES=0 python3 bench/bench_compile_cache.py bench/recipes/h200-llama3-8b-nightly.yaml --nights 3 \
     --workdir /tmp/qp/nightly --json /tmp/qp/log/compile-cache-nights.json > /tmp/qp/log/nightly.log 2>&1
   stamp "nightly rc=$?"; touch /tmp/qp/log/done
+  ;;
+_one)
+  source /tmp/qp/env.sh
+  R=bench/recipes/h200-llama3-8b-full.yaml T=bench/recipes/h200-tiny.yaml L=/tmp/qp/log
+  stamp "start one-gpu (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  # Q: the 8B merge and fp8 quantization (CPU work and < 3 GiB of GPU) beside T, whose engines take 0.3 of the GPU.
+  ( python3 -m quantpipe run --stage-timeout 8 $R --stages quantize --artifacts fp8 > $L/Q.log 2>&1; stamp "Q rc=$?" ) &
+  q=$!
+  python3 -m quantpipe run --stage-timeout 8 $T > $L/T.log 2>&1; stamp "T (the tiny recipe) rc=$?"
+  ev=$(ls -d /tmp/qp/cache/stages/evaluate/baseline/*/out | head -1)
+  $QUANTPIPE_PYTHON_SERVE bench/bench_eval_agreement.py "$ev" --json $L/eval-agreement.json > $L/E.log 2>&1; stamp "E (lm_eval --model vllm) rc=$?"
+  wait $q
+  python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8 > $L/A.log 2>&1; stamp "A (8B baseline + fp8) rc=$?"
+  stamp done; touch $L/done
   ;;
 _drive)
   # On 2 x H200 with llama3-8b (docs/BENCHMARKS.md): A and B end ~20 min after the start, the
@@ -200,5 +219,5 @@ collect)
       -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \
     | tar czf "$OUT/results.tgz" -T - && ls -la "$OUT"
   ;;
-*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | compile-links | collect SECONDS" >&2; exit 2 ;;
+*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | one-gpu | compile-links | collect SECONDS" >&2; exit 2 ;;
 esac
