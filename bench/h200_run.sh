@@ -126,7 +126,7 @@ _one)
   ( python3 -m quantpipe run --stage-timeout 8 $R --stages quantize --artifacts fp8 > $L/Q.log 2>&1; stamp "Q rc=$?" ) &
   q=$!
   python3 -m quantpipe run --stage-timeout 8 $T > $L/T.log 2>&1; stamp "T (the tiny recipe) rc=$?"
-  ev=$(ls -d /tmp/qp/cache/stages/evaluate/baseline/*/out | head -1)
+  ev=$(dirname "$(grep -l /tmp/qp/tiny/tasks /tmp/qp/cache/stages/evaluate/baseline/*/out/evaluation.json | head -1)")
   $QUANTPIPE_PYTHON_SERVE bench/bench_eval_agreement.py "$ev" --json $L/eval-agreement.json > $L/E.log 2>&1; stamp "E (lm_eval --model vllm) rc=$?"
   wait $q
   python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8 > $L/A.log 2>&1; stamp "A (8B baseline + fp8) rc=$?"
