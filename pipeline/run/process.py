@@ -48,6 +48,7 @@ class Processes:
         self.secret_values = secret_values
         self.verbose = verbose
         self.children: set[subprocess.Popen] = set()
+        self.stopping = False  # set by stop_all: a stage that ends now was stopped, it did not fail
         self.watch = None  # the console's live status (quantpipe.console.LiveStatus): begin/line/end per stage log
 
     def spawn(self, cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict | None = None) -> int | None:
@@ -100,6 +101,7 @@ class Processes:
 
     def stop_all(self) -> None:
         """SIGTERM every running stage's group, wait up to 10 s, then SIGKILL what is left."""
+        self.stopping = True
         self.signal_all(signal.SIGTERM)
         deadline = time.time() + 10
         for p in list(self.children):

@@ -110,6 +110,7 @@ class Runner:
         """Plan (a hub model is fetched here, so a failed download writes nothing either), refuse a run that will
         not fit before anything is written, then take the output directory's lock and run."""
         base_dir, steps = self.plan(dry_run=False, kinds=kinds, artifacts=artifacts)
+        self.procs.stopping = False
         todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
         try:
             self.estimates, have = (self.executor.preflight if self.executor else preflight.check)(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)
@@ -283,6 +284,8 @@ class Runner:
                 marker, state = built or (self.executor.build(s, base_dir, run_dir, forced, state) if self.executor
                                           else self.builder.build_locked(s, base_dir, run_dir, grant, forced, state))
             except StageFailed as e:
+                if self.procs.stopping:  # its processes were stopped by the run's interrupt (a SIGKILL among them): not a failure
+                    raise KeyboardInterrupt(f"{s.id} was stopped: the run was interrupted") from None
                 failed[s.id] = str(e)
                 after = f" after {time.perf_counter() - t0:.1f}s" if built is None else ""
                 self.say(f"  [red]x[/red] {s.id:<24} FAILED{after}: {_plain(e.summary)}")
