@@ -192,14 +192,25 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None
 
 
+_IMPORTS: dict[tuple, set[str]] = {}  # (module, root, sha256 of its source) -> imports_of: parsing is the slow part
+
+
 def imports_of(name: str, root: Path = PACKAGE_DIR) -> set[str]:
     """The quantpipe modules (and names that may be submodules) that module `name` imports, anywhere in its code."""
     f = _module_file(name, root)
     if f is None:
         return set()
+    source = f.read_bytes()
+    memo = (name, str(root), hashlib.sha256(source).digest())
+    if memo not in _IMPORTS:
+        _IMPORTS[memo] = _parse_imports(name, f, source, root)
+    return set(_IMPORTS[memo])
+
+
+def _parse_imports(name: str, f: Path, source: bytes, root: Path) -> set[str]:
     package = name if f.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(f.read_text(), str(f))):
+    for node in ast.walk(ast.parse(source, str(f))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "quantpipe"}
         elif isinstance(node, ast.ImportFrom):

@@ -29,6 +29,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 MIRRORED = ("0.4.13",)  # lm-eval versions whose TaskIndex rule `_register` follows (tests/test_refuse.py compares them)
 IGNORE_DIRS = {"__pycache__", ".ipynb_checkpoints"}
+TOKEN = re.compile(rb"[\w.-]+")
 NAME_LINE = re.compile(r"^\s*(?:task|group|tag)\s*:\s*['\"]?([\w\-.]+)", re.M)  # for suggestions only
 
 
@@ -86,6 +87,13 @@ def _task_file_texts(root: str) -> dict[str, bytes]:
 
 
 @functools.lru_cache(maxsize=2)
+def _task_file_tokens(root: str) -> frozenset[bytes]:
+    """Every maximal run of word characters, dots and dashes in lm-eval's built-in task YAMLs: a name that is
+    none of them is written out in no file (what `TaskNames.known` would find by searching each file)."""
+    return frozenset(tok for t in _task_file_texts(root).values() for tok in TOKEN.findall(t))
+
+
+@functools.lru_cache(maxsize=2)
 def _task_file_names(root: str) -> frozenset[str]:
     """The task, group and tag names written out in lm-eval's built-in task YAMLs (for suggestions)."""
     return frozenset(n for t in _task_file_texts(root).values() for n in NAME_LINE.findall(t.decode("utf-8", "replace")))
@@ -135,6 +143,9 @@ class TaskNames:
         if self._full:
             return False
         if self.light:
+            word = name.encode()
+            if TOKEN.fullmatch(word) and word not in _task_file_tokens(str(self.defaults)):
+                return False
             token = re.compile(rb"(?<![\w.-])" + re.escape(name.encode()) + rb"(?![\w.-])")
             files = [p for p, t in self._default_texts().items() if token.search(t)]
             if not files:

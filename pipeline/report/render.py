@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from .records import TEMPLATES
 from .summary import summarize
 
 
+@functools.lru_cache(maxsize=2)  # one per process: the templates compile once (Jinja reloads one that changed)
 def _env(autoescape: bool):
     import jinja2
     import markupsafe
