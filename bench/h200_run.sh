@@ -28,7 +28,8 @@
 #                                              evaluation through its benchmark's server), its baseline's lm-eval
 #                                              figures against `lm_eval --model vllm` (bench/bench_eval_agreement.py),
 #                                              then the 8B shape's baseline and fp8 (merge and quantize beside the tiny
-#                                              run, then evaluation + benchmark as one job per artifact, packages)
+#                                              run, then evaluation + benchmark as one job per artifact, packages;
+#                                              QP_ARTIFACTS=fp8,int8,gptq-w4a16,awq-w4a16 for the whole 8B recipe)
 #   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly` or `one-gpu` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -123,13 +124,14 @@ _one)
   R=bench/recipes/h200-llama3-8b-full.yaml T=bench/recipes/h200-tiny.yaml L=/tmp/qp/log
   stamp "start one-gpu (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   # Q: the 8B merge and fp8 quantization (CPU work and < 3 GiB of GPU) beside T, whose engines take 0.3 of the GPU.
-  ( python3 -m quantpipe run --stage-timeout 8 $R --stages quantize --artifacts fp8 > $L/Q.log 2>&1; stamp "Q rc=$?" ) &
+  A=${QP_ARTIFACTS:-fp8}
+  ( python3 -m quantpipe run --stage-timeout 8 $R --stages quantize --artifacts $A > $L/Q.log 2>&1; stamp "Q rc=$?" ) &
   q=$!
   python3 -m quantpipe run --stage-timeout 8 $T > $L/T.log 2>&1; stamp "T (the tiny recipe) rc=$?"
   ev=$(dirname "$(grep -l /tmp/qp/tiny/tasks /tmp/qp/cache/stages/evaluate/baseline/*/out/evaluation.json | head -1)")
   $QUANTPIPE_PYTHON_SERVE bench/bench_eval_agreement.py "$ev" --json $L/eval-agreement.json > $L/E.log 2>&1; stamp "E (lm_eval --model vllm) rc=$?"
   wait $q
-  python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8 > $L/A.log 2>&1; stamp "A (8B baseline + fp8) rc=$?"
+  python3 -m quantpipe run --stage-timeout 8 $R --artifacts $A > $L/A.log 2>&1; stamp "A (8B baseline + $A) rc=$?"
   stamp done; touch $L/done
   ;;
 _drive)
