@@ -146,7 +146,7 @@ class TaskNames:
             word = name.encode()
             if TOKEN.fullmatch(word) and word not in _task_file_tokens(str(self.defaults)):
                 return False
-            token = re.compile(rb"(?<![\w.-])" + re.escape(name.encode()) + rb"(?![\w.-])")
+            token = re.compile(rb"(?<![\w.-])" + re.escape(word) + rb"(?![\w.-])")
             files = [p for p, t in self._default_texts().items() if token.search(t)]
             if not files:
                 return False  # every name lm-eval registers is written out in some task YAML
