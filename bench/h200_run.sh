@@ -30,6 +30,8 @@
 #                                              then the 8B shape's baseline and fp8 (merge and quantize beside the tiny
 #                                              run, then evaluation + benchmark as one job per artifact, packages;
 #                                              QP_ARTIFACTS=fp8,int8,gptq-w4a16,awq-w4a16 for the whole 8B recipe)
+#   bench/h200_run.sh recipe [RECIPE]          one H200, detached: RECIPE (default the 8B shape's whole recipe) in one
+#                                              `quantpipe run` from an empty stage cache, then its unchanged re-run
 #   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly` or `one-gpu` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -105,9 +107,12 @@ bench-serve)
   echo "bench-serve rc=$rc after $(( $(date +%s) - t0 )) s"
   exit $rc
   ;;
-pipeline|nightly|one-gpu)
+pipeline|nightly|one-gpu|recipe)
   mkdir -p /tmp/qp/log && rm -f /tmp/qp/log/done
-  case $phase in pipeline) drive=(_drive "${1:-llama3-8b}") ;; nightly) drive=(_nightly) ;; *) drive=(_one) ;; esac
+  case $phase in
+    pipeline) drive=(_drive "${1:-llama3-8b}") ;; nightly) drive=(_nightly) ;; one-gpu) drive=(_one) ;;
+    *) drive=(_recipe "${1:-bench/recipes/h200-llama3-8b-full.yaml}") ;;
+  esac
   setsid nohup bash bench/h200_run.sh "${drive[@]}" > /tmp/qp/log/drive.log 2>&1 < /dev/null &
   echo "$phase started (pid $!): bench/h200_run.sh collect SECONDS to follow it"
   ;;
@@ -132,6 +137,14 @@ _one)
   $QUANTPIPE_PYTHON_SERVE bench/bench_eval_agreement.py "$ev" --json $L/eval-agreement.json > $L/E.log 2>&1; stamp "E (lm_eval --model vllm) rc=$?"
   wait $q
   python3 -m quantpipe run --stage-timeout 8 $R --artifacts $A > $L/A.log 2>&1; stamp "A (8B baseline + $A) rc=$?"
+  stamp done; touch $L/done
+  ;;
+_recipe)
+  source /tmp/qp/env.sh
+  R=$1 L=/tmp/qp/log
+  stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  python3 -m quantpipe run --stage-timeout 10 $R > $L/R1.log 2>&1; stamp "R1 (the whole recipe, empty stage cache) rc=$?"
+  python3 -m quantpipe run --stage-timeout 10 $R > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
   stamp done; touch $L/done
   ;;
 _drive)
@@ -221,5 +234,5 @@ collect)
       -o -name '*.txt' -o -name '*.yaml' -o -name '*.svg' -o -name '*.png' -o -name '*.sh' \) ! -name 'tokenizer*' -size -8M 2>/dev/null \
     | tar czf "$OUT/results.tgz" -T - && ls -la "$OUT"
   ;;
-*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | one-gpu | compile-links | collect SECONDS" >&2; exit 2 ;;
+*) echo "usage: $0 install | run RECIPE [ARGS] | bench-serve MODEL NAME [ARGS] | pipeline | nightly | one-gpu | recipe [RECIPE] | compile-links | collect SECONDS" >&2; exit 2 ;;
 esac
