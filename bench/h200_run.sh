@@ -143,7 +143,12 @@ _recipe)
   source /tmp/qp/env.sh
   R=$1 L=/tmp/qp/log
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
-  python3 -m quantpipe run --stage-timeout 10 $R > $L/R1.log 2>&1; stamp "R1 (the whole recipe, empty stage cache) rc=$?"
+  df -h /tmp
+  python3 -m quantpipe run --stage-timeout 10 $R > $L/R1.log 2>&1; rc=$?; stamp "R1 (the whole recipe, empty stage cache) rc=$rc"
+  if [ $rc = 2 ]; then  # refused before anything ran (pre-flight: disk): the artifacts that fit
+    tail -5 $L/R1.log; python3 -m quantpipe run --stage-timeout 10 $R --artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16} > $L/R1b.log 2>&1
+    stamp "R1b (--artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16}) rc=$?"
+  fi
   python3 -m quantpipe run --stage-timeout 10 $R > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
   stamp done; touch $L/done
   ;;
