@@ -490,6 +490,18 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
     assert res["verdict"] == "agree", said
 
 
+@pytest.mark.slow
+def test_a_client_started_early_serves_the_first_run_from_the_same_process(tmp_path):
+    """The benchmark starts its `vllm bench serve` client before the server, so that on a CUDA host the client's
+    vLLM imports overlap the server's start: the first run must come from that process, not a new one."""
+    r = subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "bench_client_early.py"), str(tmp_path)],
+                       env=_env(tmp_path), timeout=300, check=True, capture_output=True, text=True)
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0, got["log"]
+    assert got["pid_first_run"] == got["pid_started"]
+    assert "usage: vllm bench serve" in got["log"]  # the run was vLLM's own `bench serve` parser
+
+
 def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
     ba = _bench_agreement()
     assert ba.verdict({"a": (0.01, -0.03, 0.04), "b": (0.0, -0.049, 0.049)}) == "agree"
@@ -502,25 +514,6 @@ def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
     assert ba.rounds_needed(qp, direct) <= 2  # a 1.4 % spread resolves ±5 % at once
 
 
-ALL_FAIL = r"""
-import json, sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-import worker
-worker._bootstrap()
-from quantpipe.recipe import Recipe
-from quantpipe.server import Server
-from quantpipe.stages import StageError
-from quantpipe.stages.benchmark.measure import measure
-cfg = json.loads(Path(sys.argv[2]).read_text())
-recipe = Recipe.model_validate(cfg["recipe"])
-srv = Server.connect(cfg["port"], "no-such-model")  # the live server answers every request with 404
-try:
-    measure(srv, recipe.benchmark, "default", list(recipe.benchmark.workloads), {}, cfg["tokenizer"], Path(cfg["out"]))
-except StageError as e:
-    print("STAGE_ERROR:", e)
-    sys.exit(3)
-"""
 
 
 @pytest.mark.slow
@@ -529,8 +522,7 @@ def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, 
     recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], concurrency=[2])
     cfg = {"port": server.port, "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama), "out": str(tmp_path / "out")}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    (tmp_path / "all_fail.py").write_text(ALL_FAIL)
-    p = subprocess.run([str(_serve_python()), str(tmp_path / "all_fail.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
+    p = subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "measure_all_fail.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
                        env=_env(tmp_path), timeout=600, capture_output=True, text=True)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     msg = p.stdout.strip().splitlines()[-1]
@@ -638,26 +630,12 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
         assert not port_in_use(p), f"port {p} still in use"
 
 
-OFFLINE = r"""
-import json, sys
-from pathlib import Path
-sys.path.insert(0, sys.argv[1])
-import worker
-worker._bootstrap()
-from quantpipe.recipe import Workload
-from quantpipe.stages.benchmark.offline import offline
-out = Path(sys.argv[3])
-(out / "logs").mkdir(parents=True)
-engine = {"dtype": "bfloat16", "max_model_len": 256, "enforce_eager": True, "kv_cache_memory_bytes": 256 * 2**20}
-print("RESULT" + json.dumps(offline(Path(sys.argv[2]), engine, Workload(name="fixed", input_len=32, output_len=16, num_prompts=8), out)))
-"""
 
 
 @pytest.mark.slow
 @pytest.mark.long
 def test_offline_latency_and_throughput_come_from_vllms_own_benches(tiny, tmp_path):
-    (tmp_path / "offline.py").write_text(OFFLINE)
-    r = subprocess.run([str(_serve_python()), str(tmp_path / "offline.py"), str(REPO / "pipeline"), str(tiny.llama), str(tmp_path / "out")],
+    r = subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "offline_bench.py"), str(REPO / "pipeline"), str(tiny.llama), str(tmp_path / "out")],
                        capture_output=True, text=True, env=_env(tmp_path), timeout=1200)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and line, r.stderr[-3000:]

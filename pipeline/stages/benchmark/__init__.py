@@ -140,6 +140,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
     client = BenchClient(out / "logs" / "bench-client.log")  # the stage's `vllm bench serve` runs (client.py: forked on CUDA hosts)
     # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
     try:
+        client.start()  # on a CUDA host its imports overlap the server's start
         with stable_path(src) as served:
             result["served_path"] = str(served)
             for vname, e in variants:

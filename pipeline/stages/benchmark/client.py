@@ -70,6 +70,14 @@ class BenchClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def start(self) -> None:
+        """Start the client now where runs fork from it, so that its imports (~25 s for vLLM on an H200 host) overlap
+        the server's start instead of preceding the first run; elsewhere nothing to do."""
+        if self.fork is None:
+            self.fork = fork_here()
+        if self.fork and not (self._proc and self._proc.poll() is None):
+            self._start()
+
     def _start(self) -> subprocess.Popen:
         from ...server import _set_pdeathsig
 
