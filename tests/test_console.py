@@ -29,6 +29,7 @@ from quantpipe.console import HEADERS, LiveStatus, doing, final_summary
 from quantpipe.run.process import Processes
 
 REPO = Path(__file__).resolve().parents[1]
+HELPERS = REPO / "tests" / "helpers"
 QP = REPO / ".venv" / "quantize" / "bin" / "quantpipe"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -46,24 +47,15 @@ def _live(spec: dict, tmp: Path) -> tuple[LiveStatus, Path]:
 # --- the live line ----------------------------------------------------------------------------------
 
 
-PROGRAM = r"""
-import sys, time
-w = sys.stdout.write
-w("2026-12-01T21:59:05.6384 | compress_module_list | INFO - Quantizing 1 module(s): ['model.layers.1.self_attn.v_proj']\n")
-for n in (4, 20):
-    w(f"(3/5): Calibrating:  31%|###       | {n}/64 [00:08<00:17,  2.56it/s]\r"); sys.stdout.flush(); time.sleep(1.5)
-w("\n")
-"""
 
 
 def test_the_pump_feeds_progress_bars_to_the_live_line_as_they_move(tmp_path):
     """A bar redrawn with \\r reaches the live line before its line ends; the log keeps every byte."""
     live, log = _live({"stage": "quantize:gptq", "kind": "quantize", "out": str(tmp_path / "out")}, tmp_path)
-    (tmp_path / "prog.py").write_text(PROGRAM)
     procs = Processes(tmp_path / "tmp", [])
     procs.watch = live
     seen, done = [], threading.Event()
-    t = threading.Thread(target=lambda: (procs.spawn([sys.executable, str(tmp_path / "prog.py"), str(tmp_path / "spec.json")], log, 30), done.set()))
+    t = threading.Thread(target=lambda: (procs.spawn([sys.executable, str(HELPERS / "progress_bar.py"), str(tmp_path / "spec.json")], log, 30), done.set()))
     t.start()
     while not done.is_set():
         seen += [x[2] for x in live.lines()]

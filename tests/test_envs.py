@@ -418,15 +418,6 @@ def test_doctor_on_a_gpu_host_lists_its_gpus_and_flags_cpu_builds(monkeypatch, t
     assert r.exit_code == 1 and "the platform is cuda (nvidia-smi lists a GPU) but no GPU is listed" in r.stderr
 
 
-_PROBE_HERE = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("quantpipe", sys.argv[1], submodule_search_locations=[sys.argv[2]])
-mod = importlib.util.module_from_spec(spec); sys.modules["quantpipe"] = mod; spec.loader.exec_module(mod)
-from quantpipe import doctor
-scheme = {label: s for label, _, s, _ in doctor.SCHEMES}
-gpu = {cc: {label: doctor._cuda_verdict(scheme[label], cls, cc)[0] for label, _, _, cls in doctor.SCHEMES if cls} for cc in (80, 90)}
-print("RESULT " + json.dumps({"probe": doctor.probe(), "gpu": gpu}))
-"""
 
 
 @pytest.mark.slow
@@ -435,7 +426,7 @@ def test_doctor_probe_in_the_serve_env_follows_vllms_kernels_and_capabilities():
     vLLM's own scheme classes for an A100 (8.0) and an H100/H200 (9.0): W8A8-FP8 only from 8.9, FP8 weight-only below."""
     pkg = envs.PACKAGE_DIR
     r = subprocess.run(
-        [str(envs.python_for("serve")), "-c", _PROBE_HERE, str(pkg / "__init__.py"), str(pkg)],
+        [str(envs.python_for("serve")), str(Path(__file__).parent / "helpers" / "doctor_probe.py"), str(pkg / "__init__.py"), str(pkg)],
         capture_output=True,
         text=True,
         timeout=900,
