@@ -32,7 +32,7 @@
 #                                              QP_ARTIFACTS=fp8,int8,gptq-w4a16,awq-w4a16 for the whole 8B recipe)
 #   bench/h200_run.sh recipe [RECIPE]          one H200, detached: RECIPE (default the 8B shape's whole recipe) in one
 #                                              `quantpipe run` from an empty stage cache, then its unchanged re-run
-#   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly` or `one-gpu` (at most SECONDS), print its
+#   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly`, `one-gpu` or `recipe` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
 #

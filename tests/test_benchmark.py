@@ -514,8 +514,6 @@ def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
     assert ba.rounds_needed(qp, direct) <= 2  # a 1.4 % spread resolves ±5 % at once
 
 
-
-
 @pytest.mark.slow
 def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, tmp_path):
     """vLLM's `vllm bench serve` exits 0 when every request failed; the stage must not report such a run's zeros."""
@@ -628,8 +626,6 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     assert len(lora["comparison"]) == 6 and all(c["output_throughput_ratio"] > 0 for c in lora["comparison"])
     for p in [v["port"] for v in m["variants"].values()] + [lora["port"]]:
         assert not port_in_use(p), f"port {p} still in use"
-
-
 
 
 @pytest.mark.slow

@@ -47,8 +47,6 @@ def _live(spec: dict, tmp: Path) -> tuple[LiveStatus, Path]:
 # --- the live line ----------------------------------------------------------------------------------
 
 
-
-
 def test_the_pump_feeds_progress_bars_to_the_live_line_as_they_move(tmp_path):
     """A bar redrawn with \\r reaches the live line before its line ends; the log keeps every byte."""
     live, log = _live({"stage": "quantize:gptq", "kind": "quantize", "out": str(tmp_path / "out")}, tmp_path)

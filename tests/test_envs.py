@@ -418,8 +418,6 @@ def test_doctor_on_a_gpu_host_lists_its_gpus_and_flags_cpu_builds(monkeypatch, t
     assert r.exit_code == 1 and "the platform is cuda (nvidia-smi lists a GPU) but no GPU is listed" in r.stderr
 
 
-
-
 @pytest.mark.slow
 def test_doctor_probe_in_the_serve_env_follows_vllms_kernels_and_capabilities():
     """probe() on this CPU (what vLLM's CPU build serves follows the kernels it loaded), and the GPU verdicts from
