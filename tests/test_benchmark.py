@@ -747,12 +747,13 @@ def test_start_up_phases_come_from_the_servers_log_cold_and_warm():
 
     cold = startup_phases(COLD_START, start_s=95.0)
     assert cold == {"ready_s": 95.0, "weights_s": 2.628007, "compile_s": 13.16, "graph_capture_s": 1.0, "engine_init_s": 32.05,
-                    "compile_cache": "miss", "before_engine_s": 42.0, "before_log_s": 12.0}  # 95 s - the log's 83 s
+                    "compile_cache": "miss", "before_engine_s": 42.0, "before_log_s": 12.0,  # 95 s - the log's 83 s
+                    "warmup_s": 15.0}  # graph capture finished 03:55:18, engine initialised 03:55:33
     warm = COLD_START.replace("Compiling a graph for compile range (1, 8192) takes 9.95 s",
                               "Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 0.325 s")
     assert startup_phases(warm.replace("took 13.16 s in total", "took 1.46 s in total"))["compile_cache"] == "hit"
     eager = startup_phases("\n".join(ln for ln in COLD_START.splitlines() if "compile" not in ln and "Graph" not in ln))
-    assert (eager["compile_cache"], eager["compile_s"], eager["graph_capture_s"], eager["before_log_s"]) == (None, None, None, None)
+    assert (eager["compile_cache"], eager["compile_s"], eager["graph_capture_s"], eager["warmup_s"], eager["before_log_s"]) == (None,) * 5
 
 
 def test_engine_stats_are_the_peaks_of_the_servers_own_stats_log_lines():

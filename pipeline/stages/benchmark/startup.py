@@ -2,10 +2,12 @@
 
     startup_phases(log_text, start_s=41.2)
     -> {"ready_s": 41.2, "before_log_s": 9.8, "before_engine_s": 3.0, "weights_s": 2.6, "compile_s": 13.2,
-        "compile_cache": "miss", "graph_capture_s": 1.0, "engine_init_s": 32.1}
+        "compile_cache": "miss", "graph_capture_s": 1.0, "warmup_s": 12.0, "engine_init_s": 32.1}
 
 `compile_cache` is "hit" when vLLM loaded its compiled graphs from the cache (a warm start), "miss" when it compiled
-them, None when nothing was compiled (enforce_eager). A phase vLLM did not log (no compile, no CUDA graphs) is None.
+them, None when nothing was compiled (enforce_eager). `warmup_s` runs from the end of CUDA-graph capture to the end of the
+engine's initialisation: the kernels' warm-up, where a host's first vLLM process also compiles the kernels it has not
+cached yet (FlashInfer's, Triton's). A phase vLLM did not log (no compile, no CUDA graphs) is None.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def startup_phases(log_text: str, start_s: float | None = None) -> dict:
                             else "miss" if re.search(r"Compiling a graph for", log_text) else None)
     first, engine, ready = _when(log_text, None), _when(log_text, "Initializing a V1 LLM engine"), _when(log_text, "Starting vLLM server on")
     out["before_engine_s"] = _span(first, engine)
+    out["warmup_s"] = _span(_when(log_text, "Graph capturing finished"), _when(log_text, "init engine ("))
     span = _span(first, ready)
     out["before_log_s"] = round(max(0.0, start_s - span), 2) if start_s is not None and span is not None else None
     return out
