@@ -31,7 +31,8 @@
 #                                              run, then evaluation + benchmark as one job per artifact, packages;
 #                                              QP_ARTIFACTS=fp8,int8,gptq-w4a16,awq-w4a16 for the whole 8B recipe)
 #   bench/h200_run.sh recipe [RECIPE]          one H200, detached: RECIPE (default the 8B shape's whole recipe) in one
-#                                              `quantpipe run` from an empty stage cache, then its unchanged re-run
+#                                              `quantpipe run` from an empty stage cache, then its unchanged re-run;
+#                                              QP_ARTIFACTS=gptq-w4a16,awq-w4a16 builds only those (`--artifacts`)
 #   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly`, `one-gpu` or `recipe` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -144,12 +145,13 @@ _recipe)
   R=$1 L=/tmp/qp/log
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   df -h /tmp
-  python3 -m quantpipe run --stage-timeout 10 $R > $L/R1.log 2>&1; rc=$?; stamp "R1 (the whole recipe, empty stage cache) rc=$rc"
+  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS})
+  python3 -m quantpipe run --stage-timeout 10 $R "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (${QP_ARTIFACTS:-the whole recipe}, empty stage cache) rc=$rc"
   if [ $rc = 2 ]; then  # refused before anything ran (pre-flight: disk): the artifacts that fit
     tail -5 $L/R1.log; python3 -m quantpipe run --stage-timeout 10 $R --artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16} > $L/R1b.log 2>&1
     stamp "R1b (--artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16}) rc=$?"
   fi
-  python3 -m quantpipe run --stage-timeout 10 $R > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
+  python3 -m quantpipe run --stage-timeout 10 $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
   stamp done; touch $L/done
   ;;
 _drive)
