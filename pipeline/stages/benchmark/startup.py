@@ -6,8 +6,8 @@
 
 `compile_cache` is "hit" when vLLM loaded its compiled graphs from the cache (a warm start), "miss" when it compiled
 them, None when nothing was compiled (enforce_eager). `warmup_s` runs from the end of CUDA-graph capture to the end of the
-engine's initialisation: the kernels' warm-up, where a host's first vLLM process also compiles the kernels it has not
-cached yet (FlashInfer's, Triton's). A phase vLLM did not log (no compile, no CUDA graphs) is None.
+engine's initialisation: the kernels' warm-up, which on a host's first vLLM process also holds its one-time kernel
+work (kept in the host's caches for later starts). A phase vLLM did not log (no compile, no CUDA graphs) is None.
 """
 
 from __future__ import annotations
