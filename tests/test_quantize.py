@@ -279,6 +279,51 @@ def test_same_recipe_same_weights(built, tiny, tmp_path):
     assert weights_sha256(d) == weights_sha256(built["gptq"][0])
 
 
+@pytest.mark.slow
+def test_float32_calibration_stores_the_models_dtype(built, quality, tiny, tmp_path, monkeypatch):
+    """On a CPU without fast kernels for the model's dtype the stage calibrates in float32 and stores the artifact in
+    the model's dtype: the same tensors, shapes and dtypes as a calibration in bfloat16, config.json's dtype unchanged,
+    calibration still paying on held-out text. Built here in the compute dtype this machine did not pick."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    import quantpipe.stages.quantize as q
+
+    def layout(d: Path) -> dict:
+        with safe_open(str(next(d.glob("*.safetensors"))), "pt") as f:
+            return {k: (f.get_tensor(k).dtype, tuple(f.get_tensor(k).shape)) for k in f.keys()}
+
+    mine = built["gptq"][1]["compute_dtype"]
+    other = "bfloat16" if mine == "float32" else "float32"
+    monkeypatch.setattr(q, "compute_dtype", lambda dtype, device: other)
+    d = tmp_path / "gptq-other"
+    d.mkdir()
+    m = q.run(stage_input("quantize", make_recipe(tiny, **ARTIFACTS), "gptq", tiny.llama), tiny.llama, d)
+    assert m["compute_dtype"] == other
+    assert layout(d) == layout(built["gptq"][0])
+    assert json.loads((d / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {v[0] for v in layout(d).values()} >= {torch.bfloat16, torch.int32}
+
+    ids = _heldout_ids(tiny, AutoTokenizer.from_pretrained(tiny.llama))
+    base, got = _logprobs(tiny.llama, ids), _logprobs(d, ids)
+    kl = torch.cat([(b.exp() * (b - a)).sum(-1) for b, a in zip(base, got)]).mean().item()
+    assert 0 < kl < quality["rtn"]["kl"], (kl, quality["gptq"]["kl"], quality["rtn"]["kl"])
+
+
+def test_compute_dtype_is_float32_only_on_a_cpu_without_fast_half_kernels(monkeypatch):
+    import torch
+
+    from quantpipe.common import compute
+
+    assert isinstance(torch.ops.mkldnn._is_mkldnn_bf16_supported(), bool)  # the probe exists in this torch
+    monkeypatch.setattr(compute, "half_is_fast", lambda dtype: False)
+    assert [compute.compute_dtype(d, "cpu") for d in ("bfloat16", "float16", "float32")] == ["float32"] * 3
+    assert compute.compute_dtype("bfloat16", "cuda") == "bfloat16"
+    monkeypatch.setattr(compute, "half_is_fast", lambda dtype: True)
+    assert compute.compute_dtype("bfloat16", "cpu") == "bfloat16"
+
+
 def test_awq_pinning_guard():
     """llm-compressor 0.14 pins AWQ's cached activations, which fails without an accelerator; the guard skips it."""
     import torch

@@ -44,6 +44,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...common.compute import compute_dtype
 from .. import StageError
 from .compare import BOOTSTRAP_SEED, Scores, compare, compare_all
 from .fidelity import load_documents
@@ -160,7 +161,9 @@ def _settings(inp: EvaluateInput, tok, device: str) -> dict:
         "limit": le.limit if le else None, "batch_size": le.batch_size if le else None,
         "apply_chat_template": le.apply_chat_template if le else False,
         "fewshot_as_multiturn": bool(le and le.apply_chat_template), "seed": le.seed if le else None,
-        "include_path": le.include_path if le else None, "dtype": inp.base.dtype, "add_bos": add_bos,
+        "include_path": le.include_path if le else None, "model_dtype": inp.base.dtype,
+        # hf computes in float32 on a CPU without fast kernels for the model's half dtype (common/compute.py)
+        "dtype": compute_dtype(inp.base.dtype, device) if inp.backend == "hf" else inp.base.dtype, "add_bos": add_bos,
         "add_bos_source": "tokenizer" if inp.add_bos is None else "recipe", "tokenizer_adds_bos": tokenizer_adds_bos,
         "tokenizer": {
             "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token,

@@ -37,7 +37,7 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         fidelity_seqs = sequences(inp, tok, rows, settings["add_bos"])  # before any model loads: a short text fails fast
     if rows is None and fidelity_seqs is None:
         return lm_metrics, validation, fidelity
-    model = load_model(src, inp.base.dtype, inp.base.trust_remote_code, settings["device"])
+    model = load_model(src, settings["dtype"], inp.base.trust_remote_code, settings["device"])
     if rows is not None:
         t0 = time.perf_counter()
         texts = generate(model, tok, rows, inp.validation, settings)
@@ -46,7 +46,7 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         log.info("%s: validation %s", inp.artifact, json.dumps(validation))
     if fidelity_seqs is not None:
         t0 = time.perf_counter()
-        ref_model = load_model(baseline_model, inp.base.dtype, inp.base.trust_remote_code, settings["device"])
+        ref_model = load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
         fidelity = summarize(fidelity_full(ref_model, model, fidelity_seqs), inp.bootstrap_samples, *source(inp))
         if fidelity is not None:
             fidelity["kl_support"] = "full vocabulary"

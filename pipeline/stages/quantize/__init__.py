@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ...common.compute import compute_dtype
 from ...common.methods import needs_calibration, scheme_name
 from .. import StageError
 from ..contract import QuantizeInput, Upstream
@@ -162,6 +163,21 @@ def cpu_serial_layer_updates(method: str):
         cls.on_sequential_epoch_end = original
 
 
+def store_as(model, dtype: str) -> None:
+    """Cast a model calibrated in float32 to the dtype it is stored in: every float32 parameter and buffer (weights
+    and the scales llm-compressor added), as a calibration in `dtype` leaves them; llm-compressor's offloading
+    is removed first, so that the cast reaches every tensor."""
+    import torch
+    from compressed_tensors.offload import remove_dispatch
+
+    remove_dispatch(model)
+    target = getattr(torch, dtype)
+    for t in model.state_dict(keep_vars=True).values():  # the saved tensors; tied ones are one object, cast in place
+        if t.dtype == torch.float32:
+            t.data = t.data.to(target)
+    model.config.dtype = target
+
+
 def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] | None = None) -> dict:
     """Quantize the model in `src` into `out` (compressed-tensors). Returns metrics for the run log."""
     a = inp.artifact
@@ -196,8 +212,9 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
     prepared = cal.prepare(inp.calibration, tokenizer) if data else None
     dataset = prepared.dataset() if prepared else None
     t_cal = time.perf_counter()
+    work = compute_dtype(inp.base.dtype, "cpu" if not torch.accelerator.is_available() else "accelerator")
     model = AutoModelForCausalLM.from_pretrained(
-        src, dtype=getattr(torch, inp.base.dtype), trust_remote_code=inp.base.trust_remote_code,
+        src, dtype=getattr(torch, work), trust_remote_code=inp.base.trust_remote_code,
         use_safetensors=None if inp.base.allow_pickle else True,
     )
     t_load = time.perf_counter()
@@ -216,6 +233,8 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
             raise StageError(f"artifact {a.name!r}: {e} Pick a group_size that divides these layers' input size, or add them to `ignore`.") from None
         raise
     t_oneshot = time.perf_counter()
+    if work != inp.base.dtype:
+        store_as(model, inp.base.dtype)
     # 5 GB shards, as the merge stage writes (llm-compressor's default is 20 GB): the package stage then
     # hard-links them instead of re-sharding an 8B model's single 9 GB file at its default 5GB.
     model.save_pretrained(out, save_compressed=True, max_shard_size=SHARD_SIZE)
@@ -237,5 +256,6 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
         "oneshot_s": round(t_oneshot - t_load, 3),
         "save_s": round(t_save - t_oneshot, 3),
         "seed": seed,
+        "compute_dtype": work,
         "accelerator": str(torch.accelerator.current_accelerator()) if torch.accelerator.is_available() else None,
     }
