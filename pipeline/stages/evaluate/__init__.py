@@ -21,6 +21,8 @@ Backends (`inp.backend`, which the runner decides from `evaluation.lm_eval.backe
 where a CUDA GPU is present, else hf):
 - `hf` (hf.py): lm-eval's hf model; validation and fidelity through transformers, which reads every
   artifact (it decompresses compressed-tensors); the artifact's stage loads the baseline model for the full KL.
+  Models load in the settings' `dtype`: `base.dtype`, or float32 on a CPU without fast kernels for it
+  (common/compute.py), for the baseline and every artifact alike.
 - `vllm` (vllm.py): the stage runs in the serve environment and evaluates through vLLM's OpenAI-compatible
   server: lm-eval's own local-completions model (`lm_eval_command` in evaluation.json), the validation
   set as greedy completions, the fidelity tokens' prompt logprobs. The server is the benchmark stage's when
