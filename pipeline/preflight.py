@@ -2,7 +2,8 @@
 
 A stage that needs more memory or disk than the machine has should be refused in a second, not fail
 an hour in. The estimates are deliberately simple upper bounds (P parameters, b bytes per element
-of base.dtype, N calibration samples of S tokens, hidden size h, L layers, GiB = 2**30 bytes):
+of base.dtype (quantize and evaluate on a CPU: of the dtype they compute in, common/compute.py), N calibration
+samples of S tokens, hidden size h, L layers, GiB = 2**30 bytes):
 
     merge      RAM  P*4 (base loaded in fp32) + 2*adapter file + P*b (merged copy) + runtime
     quantize   RAM  P*b + P*q (compressed copy at save) + 2*N*S*h*b (layer inputs/outputs of the
@@ -29,6 +30,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from .common.compute import compute_dtype
 from .common.hf_config import read_config, text_part
 from .common.safetensors import param_count
 from .common.vllm_support import DEFAULT_CPU_KV_BYTES
@@ -95,6 +97,9 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
     if m is None:
         return {}
     b = DTYPE_BYTES[recipe.base.dtype]
+    # quantize and the hf evaluation compute in float32 on a CPU without fast kernels for base.dtype
+    work = recipe.base.dtype if gpu or not any(s.kind in ("quantize", "evaluate") for s in steps) else compute_dtype(recipe.base.dtype, "cpu")
+    wb = DTYPE_BYTES[work]
     P, h, L = m["params"], m["hidden"], m["layers"]
     arts = {a.name: a for a in recipe.artifacts}
     adapters = sum(_size(Path(a.path) / "adapter_model.safetensors") or _size(Path(a.path) / "adapter_model.bin") for a in recipe.adapters)
@@ -112,10 +117,10 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
                 disk_cache = P * b
         elif s.kind == "quantize":
             size = artifact_bytes(a, m, b)
-            terms = {f"model in {recipe.base.dtype}": P * b, "compressed copy at save": size}
+            terms = {f"model in {work}": P * wb, "compressed copy at save": size}
             calibrated = not (a.method == "fp8" and a.mode != "static") and a.method != "rtn"
             if calibrated and c:
-                terms["layer activations (2*N*S*h*b)"] = 2 * N * S * h * b
+                terms["layer activations (2*N*S*h*b)"] = 2 * N * S * h * wb
                 if a.method in ("gptq", "w8a8-int8"):
                     hess = (5 * h * h + (m["heads"] * m["head_dim"]) ** 2 + m["intermediate"] ** 2) * 4
                     terms["GPTQ Hessians"] = hess * (L if a.pipeline == "basic" else 1)
@@ -126,9 +131,10 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
                 gpu_terms |= {k: v for k, v in terms.items() if k.startswith(("GPTQ", "AWQ", "layer activations"))}
             disk_cache = size
         elif s.kind == "evaluate":
-            terms = {f"model in {recipe.base.dtype}": P * b}
+            dt, eb = (work, wb) if s.inp.backend == "hf" else (recipe.base.dtype, b)
+            terms = {f"model in {dt}": P * eb}
             if a is not None:
-                terms["baseline (for KL)"] = P * b
+                terms["baseline (for KL)"] = P * eb
             if gpu:
                 gpu_terms, terms = dict(terms), {"loading": P * b}
                 le = recipe.evaluation.lm_eval

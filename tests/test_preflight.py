@@ -91,6 +91,24 @@ def test_method_overheads_scale_with_what_they_depend_on(tmp_path):
     assert est4["package:fp8"]["disk_cache_bytes"] == est4["package:fp8"]["disk_output_bytes"] > 0
 
 
+def test_cpu_stages_computing_in_float32_are_sized_in_float32(tmp_path, monkeypatch):
+    """Where the CPU has no fast bfloat16 kernels, quantize and the hf evaluation hold the model in float32: twice the bytes."""
+    from quantpipe.common import compute
+
+    m = model_dir(tmp_path, LLAMA)
+    (tmp_path / "val.jsonl").write_text('{"prompt": "1 + 1 =", "reference": "2"}\n')
+    r = recipe(tmp_path, m, adapters=[], evaluation={"validation": {"path": str(tmp_path / "val.jsonl")}})
+    terms = {}
+    for fast in (True, False):
+        monkeypatch.setattr(compute, "half_is_fast", lambda dtype, fast=fast: fast)
+        terms[fast] = {k: v["terms"] for k, v in preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None).items()}
+    P = preflight.model_shape(m)["params"]
+    assert terms[True]["quantize:gptq"]["model in bfloat16"] == 2 * P and terms[False]["quantize:gptq"]["model in float32"] == 4 * P
+    assert terms[False]["quantize:gptq"]["layer activations (2*N*S*h*b)"] == 2 * terms[True]["quantize:gptq"]["layer activations (2*N*S*h*b)"]
+    assert terms[False]["evaluate:gptq"]["baseline (for KL)"] == 4 * P
+    assert terms[False]["benchmark:gptq"] == terms[True]["benchmark:gptq"]  # vLLM serves in base.dtype either way
+
+
 def test_gpu_benchmark_reserves_its_share_and_needs_room_for_one_sequence(tmp_path):
     m = model_dir(tmp_path, LLAMA)
     gpu = {"total_bytes": 80 * GIB, "free_bytes": 79 * GIB}

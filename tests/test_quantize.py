@@ -316,7 +316,10 @@ def test_compute_dtype_is_float32_only_on_a_cpu_without_fast_half_kernels(monkey
 
     from quantpipe.common import compute
 
-    assert isinstance(torch.ops.mkldnn._is_mkldnn_bf16_supported(), bool)  # the probe exists in this torch
+    # the CPU flags say what torch's own probe says on this machine
+    if compute.cpu_flags() is not None:
+        assert compute.half_is_fast("bfloat16") == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        assert compute.half_is_fast("float16") == torch.ops.mkldnn._is_mkldnn_fp16_supported()
     monkeypatch.setattr(compute, "half_is_fast", lambda dtype: False)
     assert [compute.compute_dtype(d, "cpu") for d in ("bfloat16", "float16", "float32")] == ["float32"] * 3
     assert compute.compute_dtype("bfloat16", "cuda") == "bfloat16"
