@@ -460,13 +460,13 @@ def _bench_agreement():
     return mod
 
 
-ROUNDS = 6  # ~64 s each on a 2-core CPU; docs/BENCHMARKS.md's agreement table comes from the script's longer runs
+ROUNDS = 4  # ~64 s each on a 2-core CPU; docs/BENCHMARKS.md's agreement table comes from the script's longer runs
 
 
 @pytest.mark.slow
 def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_path):
     """Same server, same workload: quantpipe's throughput, TTFT and TPOT are vLLM's own, within 5 %.
-    bench/bench_agreement.py pairs, over 6 rounds, a quantpipe run (the benchmark's `measure`, its runs forked from
+    bench/bench_agreement.py pairs, over 4 rounds, a quantpipe run (the benchmark's `measure`, its runs forked from
     one client process) with a fresh `vllm bench serve` process given hand-written arguments, alternating which goes
     first. Passes when the 95 % interval of the paired ratio lies within ±5 % for every figure; fails when one lies
     wholly outside (a difference beyond this machine's noise). An interval that still straddles the bound means this
