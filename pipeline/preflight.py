@@ -98,7 +98,7 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
         return {}
     b = DTYPE_BYTES[recipe.base.dtype]
     # quantize and the hf evaluation compute in float32 on a CPU without fast kernels for base.dtype
-    work = recipe.base.dtype if gpu or not any(s.kind in ("quantize", "evaluate") for s in steps) else compute_dtype(recipe.base.dtype, "cpu")
+    work = recipe.base.dtype if gpu else compute_dtype(recipe.base.dtype, "cpu")
     wb = DTYPE_BYTES[work]
     P, h, L = m["params"], m["hidden"], m["layers"]
     arts = {a.name: a for a in recipe.artifacts}
