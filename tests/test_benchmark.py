@@ -33,6 +33,7 @@ from quantpipe.stages.benchmark.choose import pick_best
 from quantpipe.stages.benchmark.engine import effective_engine
 
 REPO = Path(__file__).resolve().parents[1]
+HELPERS = REPO / "tests" / "helpers"
 CPU_AVX2 = {"platform": "cpu", "kernels": {"cpu_gemm_wna16": False}, "isa": "AVX2"}
 CPU_AVX512 = {"platform": "cpu", "kernels": {"cpu_gemm_wna16": True}, "isa": "AVX512"}
 CUDA = {"platform": "cuda", "kernels": {}}
@@ -297,7 +298,7 @@ def _stage_cmd(tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Pa
     spec = {"stage": f"benchmark:{artifact}", "kind": "benchmark", "input": inp.model_dump(mode="json"), "src": str(src), "out": str(out),
             "upstream": {}, "metrics": str(tmp / "metrics.json")}
     (tmp / "stage.json").write_text(json.dumps(spec))
-    program = REPO / "pipeline" / "worker.py" if how == "worker" else REPO / "tests" / "helpers" / "stage_direct.py"
+    program = REPO / "pipeline" / "worker.py" if how == "worker" else HELPERS / "stage_direct.py"
     return [str(_serve_python()), str(program), str(tmp / "stage.json")]
 
 
@@ -320,16 +321,8 @@ def run_stage(tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Pat
 
 
 def _quantize(src: Path, dst: Path, scheme: str) -> Path:
-    code = f"""
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from llmcompressor import oneshot
-from llmcompressor.modifiers.quantization import QuantizationModifier
-m = AutoModelForCausalLM.from_pretrained({str(src)!r}, dtype="auto")
-oneshot(model=m, recipe=QuantizationModifier(targets="Linear", scheme={scheme!r}, ignore=["lm_head"]))
-m.save_pretrained({str(dst)!r}, save_compressed=True)
-AutoTokenizer.from_pretrained({str(src)!r}).save_pretrained({str(dst)!r})
-"""
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, str(HELPERS / "tiny_artifacts.py"), "quantize", str(src), str(dst), scheme],
+                   check=True, capture_output=True, timeout=600)
     return dst
 
 
@@ -338,14 +331,8 @@ def models(tiny, tmp_path_factory):
     """The tiny Llama, its LoRA merged in (the baseline), a W8A16 and a W4A16 artifact, and a broken copy."""
     root = tmp_path_factory.mktemp("bench-models")
     merged = root / "merged"
-    code = f"""
-from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
-m = AutoModelForCausalLM.from_pretrained({str(tiny.llama)!r}, dtype="auto")
-PeftModel.from_pretrained(m, {str(tiny.llama_lora)!r}).merge_and_unload().save_pretrained({str(merged)!r})
-AutoTokenizer.from_pretrained({str(tiny.llama)!r}).save_pretrained({str(merged)!r})
-"""
-    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, str(HELPERS / "tiny_artifacts.py"), "merge", str(tiny.llama), str(tiny.llama_lora), str(merged)],
+                   check=True, capture_output=True, timeout=600)
     broken = root / "broken"
     shutil.copytree(tiny.llama, broken)
     from safetensors.torch import load_file, save_file
@@ -497,7 +484,7 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
 def test_a_client_started_early_serves_the_first_run_from_the_same_process(tmp_path):
     """The benchmark starts its `vllm bench serve` client before the server, so that on a CUDA host the client's
     vLLM imports overlap the server's start: the first run must come from that process, not a new one."""
-    r = subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "bench_client_early.py"), str(tmp_path)],
+    r = subprocess.run([str(_serve_python()), str(HELPERS / "bench_client_early.py"), str(tmp_path)],
                        env=_env(tmp_path), timeout=300, check=True, capture_output=True, text=True)
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["rc"] == 0, got["log"]
@@ -523,7 +510,7 @@ def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, 
     recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], concurrency=[2])
     cfg = {"port": server.port, "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama), "out": str(tmp_path / "out")}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    p = subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "measure_all_fail.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
+    p = subprocess.run([str(_serve_python()), str(HELPERS / "measure_all_fail.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
                        env=_env(tmp_path), timeout=600, capture_output=True, text=True)
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     msg = p.stdout.strip().splitlines()[-1]
@@ -542,7 +529,7 @@ def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_keep
     cfg = {"port": server.port, "model": "tiny", "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama),
            "out": str(tmp_path / "out"), "result": str(tmp_path / "rows.json")}
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "measure_server.py"), str(tmp_path / "cfg.json")],
+    subprocess.run([str(_serve_python()), str(HELPERS / "measure_server.py"), str(tmp_path / "cfg.json")],
                    env=_env(tmp_path), timeout=600, check=True, stdout=subprocess.DEVNULL)
     (row,) = json.loads((tmp_path / "rows.json").read_text())
     pilot = row["pilot"]
@@ -634,7 +621,7 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
 @pytest.mark.slow
 @pytest.mark.long
 def test_offline_latency_and_throughput_come_from_vllms_own_benches(tiny, tmp_path):
-    r = subprocess.run([str(_serve_python()), str(REPO / "tests" / "helpers" / "offline_bench.py"), str(REPO / "pipeline"), str(tiny.llama), str(tmp_path / "out")],
+    r = subprocess.run([str(_serve_python()), str(HELPERS / "offline_bench.py"), str(REPO / "pipeline"), str(tiny.llama), str(tmp_path / "out")],
                        capture_output=True, text=True, env=_env(tmp_path), timeout=1200)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and line, r.stderr[-3000:]

@@ -219,18 +219,8 @@ def test_vllm_parses_our_server_command_to_loopback(tmp_path):
     cfg.write_text("host: 0.0.0.0\nport: 80\n")
     cases = [*SNEAKY, ["--config", str(cfg)]]
     cmds = [server_command(extra, tmp_path)[3:] for extra in cases]  # from `serve` on
-    code = (  # the parser `vllm serve` itself builds (vllm/entrypoints/cli/main.py)
-        "import json, sys\n"
-        "from vllm.entrypoints.cli.serve import ServeSubcommand\n"
-        "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
-        "out = []\n"
-        "for argv in json.loads(sys.argv[1]):\n"
-        "    parser = FlexibleArgumentParser(description='vLLM CLI')\n"
-        "    ServeSubcommand().subparser_init(parser.add_subparsers(required=False, dest='subparser'))\n"
-        "    out.append(parser.parse_args(argv).host)\n"
-        "print(json.dumps(out))\n"
-    )
-    r = subprocess.run([str(SERVE_PY), "-c", code, json.dumps(cmds)], capture_output=True, text=True, timeout=300)
+    helper = Path(__file__).parent / "helpers" / "vllm_serve_host.py"  # the parser `vllm serve` itself builds
+    r = subprocess.run([str(SERVE_PY), str(helper), json.dumps(cmds)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == ["127.0.0.1"] * len(cases)
 
