@@ -696,6 +696,20 @@ def test_recommendation_from_a_goodput_search_says_so_and_shows_the_searched_poi
     assert row["best_point"]["concurrency"] == 24 and row["best_point"]["ttft_p99_ms"] == 321.0
 
 
+def test_recommendation_after_a_goodput_search_that_served_less_says_the_search_ran():
+    def searched_lower(r):
+        _pass(r, "fp8", kl=2e-5, speed=1.35)
+        _pass(r, "w8a8", kl=5e-3, speed=2.0)
+        m = r["stages"]["benchmark:w8a8"]["metrics"]
+        m["goodput_search"] = {"workload": "w", "bound": 32, "concurrency": 32, "goodput": m["best"]["goodput"] * 0.9,
+                               "goodput_ci95": None, "from_sweep": [1, 16], "probed": [32], "rows": []}
+
+    rec = summarize(make_record(tweak=searched_lower))["recommendation"]
+    assert rec["choice"] == "w8a8"
+    assert "at concurrency 16 (the best of the measured concurrencies: the goodput search's highest concurrency within the SLO served fewer requests)" in rec["sentence"]
+    assert "no goodput search ran" not in rec["sentence"]
+
+
 def test_recommendation_uses_the_benchmarks_intervals_when_it_records_them():
     def with_ci(r, name, lo, hi):
         best = r["stages"][f"benchmark:{name}"]["metrics"]["best"]

@@ -86,6 +86,7 @@ def summarize(record: dict) -> dict:
             "goodput": _num(best.get("goodput")) if _num(best.get("goodput")) is not None else (max(goodputs) if goodputs else None),
             "goodput_ci": _best_interval(bench, best, "goodput"),
             "best": best or None,
+            "goodput_searched": bool(_l(_d(bench.get("goodput_search")).get("probed"))),
             "best_point": _best_point(bench, best),
             "serving": serving_info(_d(_d(record.get("stages")).get(f"benchmark:{name}")), variant),
             "server_start_s": _num(bench.get("server_start_s")),
