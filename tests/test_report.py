@@ -706,7 +706,7 @@ def test_recommendation_after_a_goodput_search_that_served_less_says_the_search_
 
     rec = summarize(make_record(tweak=searched_lower))["recommendation"]
     assert rec["choice"] == "w8a8"
-    assert "at concurrency 16 (the best of the measured concurrencies: the goodput search's highest concurrency within the SLO served fewer requests)" in rec["sentence"]
+    assert "at concurrency 16 (the best of the measured concurrencies: the goodput search found no higher goodput within the SLO)" in rec["sentence"]
     assert "no goodput search ran" not in rec["sentence"]
 
 

@@ -198,8 +198,8 @@ def _sentence(c: dict, r: dict | None, figure: str, decided_by: str, slo: dict, 
     where += f" with engine variant `{b['variant']}`" if figure == "goodput" and b.get("variant") and b["variant"] != "default" else ""
     if figure == "goodput" and b.get("search"):
         where += " (the highest concurrency within the SLO, found by the goodput search)"
-    elif figure == "goodput" and c.get("goodput_searched"):  # the search's highest concurrency within the SLO served less
-        where += " (the best of the measured concurrencies: the goodput search's highest concurrency within the SLO served fewer requests)"
+    elif figure == "goodput" and c.get("goodput_searched"):  # its probes failed the SLO or served less than this point
+        where += " (the best of the measured concurrencies: the goodput search found no higher goodput within the SLO)"
     elif figure == "goodput":  # vLLM's goodput at the sweep's best point: no search for the highest load meeting the SLO ran
         where += " (the best of the measured concurrencies: no goodput search ran)"
     mine = _with_ci(c, figure) + (f" {unit}" if unit else "")
