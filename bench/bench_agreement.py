@@ -60,9 +60,17 @@ def verdict(iv: dict[str, list[float]], bound: float = AGREEMENT) -> str:
 
 
 def rounds_needed(qp: list[dict], direct: list[dict], bound: float = AGREEMENT) -> int:
-    """Rounds whose 95 % interval (about ±2 standard errors) fits within ±bound at the spread seen."""
-    sd = max(statistics.stdev(math.log(a(q) / b(d)) for q, d in zip(qp, direct)) for a, b in FIGURES.values())
-    return math.ceil((2 * sd / bound) ** 2)
+    """Rounds after which, at the spread and the mean seen, every figure's 95 % interval (about ±2 standard errors)
+    clears the bound on one side: wholly inside ±bound, or wholly outside it. At least one more than were run while
+    the verdict is unresolved; a mean on the bound itself never resolves (capped at 1000)."""
+    need = 2
+    for a, b in FIGURES.values():
+        logs = [math.log(a(q) / b(d)) for q, d in zip(qp, direct)]
+        room = abs(math.log(1 + bound) - abs(statistics.mean(logs)))  # from the mean to the nearer side of the bound
+        need = max(need, math.ceil((2 * statistics.stdev(logs) / room) ** 2) if room > 0 else 1000)
+    if verdict(paired_intervals(qp, direct), bound) == "unresolved":
+        need = max(need, len(qp) + 1)
+    return min(need, 1000)
 
 
 def _direct_args(port: int, model: str, tokenizer: str, a: argparse.Namespace) -> list[str]:

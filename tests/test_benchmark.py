@@ -502,6 +502,10 @@ def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
     est, lo, hi = ba.paired_intervals(qp, direct)["output_throughput"]
     assert abs(est) < 0.002 and -0.03 < lo < 0 < hi < 0.03
     assert ba.rounds_needed(qp, direct) <= 2  # a 1.4 % spread resolves ±5 % at once
+    # 4 rounds 2.9 % below, spread 2.6 %: the interval straddles -5 %; more rounds than 4 are needed, and said
+    wide = [{"output_throughput": 100 * f, "ttft_ms": {"mean": 10.0}, "tpot_ms": {"mean": 5.0}} for f in (0.94, 0.97, 0.99, 0.984)]
+    assert ba.verdict(ba.paired_intervals(wide, direct[:4])) == "unresolved"
+    assert 5 <= ba.rounds_needed(wide, direct[:4]) <= 20
 
 
 @pytest.mark.slow
