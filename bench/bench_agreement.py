@@ -116,11 +116,13 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             res["direct"].append(json.loads((out / "direct" / f"{i}.json").read_text()))
 
-        for i in range(a.rounds):
+        for i in range(max(a.rounds, a.max_rounds or 0)):
             for run in (quantpipe_run, direct_run) if i % 2 == 0 else (direct_run, quantpipe_run):
                 run(i)
             q, d = res["quantpipe"][-1], res["direct"][-1]
             print(f"round {i + 1:2d}: " + "  ".join(f"{k} {fa(q):8.2f} / {fb(d):8.2f}" for k, (fa, fb) in FIGURES.items()), flush=True)
+            if i + 1 >= a.rounds and verdict(paired_intervals(res["quantpipe"], res["direct"])) != "unresolved":
+                break
     return res
 
 
@@ -131,6 +133,8 @@ def main() -> None:
     p.add_argument("--model-name", default="model", help="served model name (with --port: the server's)")
     p.add_argument("--tokenizer", help="default: --model")
     p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--max-rounds", type=int, default=None,
+                   help="go on after --rounds, a round at a time, until the verdict resolves or this many rounds ran")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -165,7 +169,7 @@ def main() -> None:
     res |= {"intervals": iv, "verdict": verdict(iv), "rounds_needed": rounds_needed(res["quantpipe"], res["direct"])}
     for k, (e, lo, hi) in iv.items():
         print(f"{k:18s} quantpipe / direct - 1 = {e:+.1%}  95% [{lo:+.1%}, {hi:+.1%}]")
-    print(f"verdict at ±{AGREEMENT:.0%}: {res['verdict']} after {a.rounds} rounds"
+    print(f"verdict at ±{AGREEMENT:.0%}: {res['verdict']} after {len(res['quantpipe'])} rounds"
           + (f" (this spread needs about {res['rounds_needed']})" if res["verdict"] == "unresolved" else "")
           + ("" if not res["args_diff"] else f"; arguments differ: {res['args_diff']}"))
     if a.json:

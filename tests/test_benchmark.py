@@ -447,33 +447,35 @@ def _bench_agreement():
     return mod
 
 
-ROUNDS = 4  # ~64 s each on a 2-core CPU; docs/BENCHMARKS.md's agreement table comes from the script's longer runs
+ROUNDS, MAX_ROUNDS = 4, 10  # 44-64 s each on a 2-core CPU; docs/BENCHMARKS.md's agreement table comes from the script's longer runs
 
 
 @pytest.mark.slow
 def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_path):
     """Same server, same workload: quantpipe's throughput, TTFT and TPOT are vLLM's own, within 5 %.
-    bench/bench_agreement.py pairs, over 4 rounds, a quantpipe run (the benchmark's `measure`, its runs forked from
-    one client process) with a fresh `vllm bench serve` process given hand-written arguments, alternating which goes
-    first. Passes when the 95 % interval of the paired ratio lies within ±5 % for every figure; fails when one lies
-    wholly outside (a difference beyond this machine's noise). An interval that still straddles the bound means this
-    machine's run-to-run spread cannot resolve 5 % in a test's time: the test skips, saying the intervals and the
-    rounds that spread would need. The exact part (vLLM parses quantpipe's arguments to the same values as the
+    bench/bench_agreement.py pairs, over 4 to 10 rounds (a round at a time after 4, until the verdict resolves), a
+    quantpipe run (the benchmark's `measure`, its runs forked from one client process) with a fresh `vllm bench serve`
+    process given hand-written arguments, alternating which goes first. Passes when the 95 % interval of the paired
+    ratio lies within ±5 % for every figure; fails when one lies wholly outside (a difference beyond this machine's
+    noise). An interval that still straddles the bound after 10 rounds means this machine's run-to-run spread cannot
+    resolve 5 % in a test's time: the test skips, saying the intervals and the rounds that spread would need. The exact part (vLLM parses quantpipe's arguments to the same values as the
     hand-written ones; quantpipe's rows carry vLLM's figures) always holds."""
     subprocess.run([str(_serve_python()), str(REPO / "bench" / "bench_agreement.py"), "--port", str(server.port), "--model-name", "tiny",
-                    "--tokenizer", str(tiny.llama), "--rounds", str(ROUNDS), "--num-prompts", "48", "--input-len", "64", "--output-len", "32",
+                    "--tokenizer", str(tiny.llama), "--rounds", str(ROUNDS), "--max-rounds", str(MAX_ROUNDS), "--num-prompts", "48", "--input-len", "64", "--output-len", "32",
                     "--concurrency", "4", "--out", str(tmp_path), "--json", str(tmp_path / "agreement.json")],
                    check=True, env=_env(tmp_path), timeout=1200, stdout=subprocess.DEVNULL)
     res = json.loads((tmp_path / "agreement.json").read_text())
     assert res["args_diff"] == {}, res["args_diff"]
-    assert len(res["quantpipe"]) == len(res["direct"]) == ROUNDS
+    rounds = len(res["quantpipe"])
+    assert rounds == len(res["direct"]) and ROUNDS <= rounds <= MAX_ROUNDS
+    assert rounds == MAX_ROUNDS or res["verdict"] != "unresolved"  # it stops early only on a resolved verdict
     assert all(r["completed"] == 48 and r["failed"] == 0 for r in res["quantpipe"])
     assert all(d["completed"] == 48 for d in res["direct"])
     for r in res["quantpipe"]:  # quantpipe's row carries vLLM's figures unchanged
         raw = json.loads((tmp_path / r["raw"]).read_text())
         assert (r["ttft_ms"]["p99"], r["tpot_ms"]["p50"], r["e2el_ms"]["p90"], r["output_throughput"]) == (
             raw["p99_ttft_ms"], raw["p50_tpot_ms"], raw["p90_e2el_ms"], raw["output_throughput"])
-    said = f"after {ROUNDS} paired rounds, quantpipe / direct - 1 (95 % intervals): " + ", ".join(
+    said = f"after {rounds} paired rounds, quantpipe / direct - 1 (95 % intervals): " + ", ".join(
         f"{k} {e:+.1%} [{lo:+.1%}, {hi:+.1%}]" for k, (e, lo, hi) in res["intervals"].items())
     if res["verdict"] == "unresolved":
         pytest.skip(f"5 % not resolved {said}; this spread needs about {res['rounds_needed']} rounds")
