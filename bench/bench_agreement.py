@@ -162,7 +162,8 @@ def main() -> None:
         flags += [] if a.gpu else ["--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20)]
         with Server(a.model, flags, log_path=out / "server.log", served_model_name=a.model_name, env={"VLLM_SERVER_DEV_MODE": "1"},
                     gpu=a.gpu) as srv:
-            print(f"server up in {srv.start_s:.1f} s; {a.rounds} rounds of {a.num_prompts} prompts "
+            rounds = f"{a.rounds} to {a.max_rounds}" if (a.max_rounds or 0) > a.rounds else str(a.rounds)
+            print(f"server up in {srv.start_s:.1f} s; {rounds} rounds of {a.num_prompts} prompts "
                   f"({a.input_len} in, {a.output_len} out) at concurrency {a.concurrency}", flush=True)
             res = _rounds(srv, a.model_name, tokenizer, a, out)
     iv = paired_intervals(res["quantpipe"], res["direct"])
