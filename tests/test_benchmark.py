@@ -454,12 +454,13 @@ ROUNDS, MAX_ROUNDS = 4, 10  # 44-64 s each on a 2-core CPU; docs/BENCHMARKS.md's
 def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_path):
     """Same server, same workload: quantpipe's throughput, TTFT and TPOT are vLLM's own, within 5 %.
     bench/bench_agreement.py pairs, over 4 to 10 rounds (a round at a time after 4, until the verdict resolves), a
-    quantpipe run (the benchmark's `measure`, its runs forked from one client process) with a fresh `vllm bench serve`
+    quantpipe run (the benchmark's `measure`, its runs as the stage makes them here) with a fresh `vllm bench serve`
     process given hand-written arguments, alternating which goes first. Passes when the 95 % interval of the paired
     ratio lies within ±5 % for every figure; fails when one lies wholly outside (a difference beyond this machine's
     noise). An interval that still straddles the bound after 10 rounds means this machine's run-to-run spread cannot
-    resolve 5 % in a test's time: the test skips, saying the intervals and the rounds that spread would need. The exact part (vLLM parses quantpipe's arguments to the same values as the
-    hand-written ones; quantpipe's rows carry vLLM's figures) always holds."""
+    resolve 5 % in a test's time: the test skips, saying the intervals and the rounds that spread would need. The
+    exact part (vLLM parses quantpipe's arguments to the same values as the hand-written ones; quantpipe's rows carry
+    vLLM's figures) always holds."""
     subprocess.run([str(_serve_python()), str(REPO / "bench" / "bench_agreement.py"), "--port", str(server.port), "--model-name", "tiny",
                     "--tokenizer", str(tiny.llama), "--rounds", str(ROUNDS), "--max-rounds", str(MAX_ROUNDS), "--num-prompts", "48", "--input-len", "64", "--output-len", "32",
                     "--concurrency", "4", "--out", str(tmp_path), "--json", str(tmp_path / "agreement.json")],
@@ -504,7 +505,7 @@ def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
     est, lo, hi = ba.paired_intervals(qp, direct)["output_throughput"]
     assert abs(est) < 0.002 and -0.03 < lo < 0 < hi < 0.03
     assert ba.rounds_needed(qp, direct) <= 2  # a 1.4 % spread resolves ±5 % at once
-    # 4 rounds 2.9 % below, spread 2.6 %: the interval straddles -5 %; more rounds than 4 are needed, and said
+    # 4 rounds 2.9 % below, spread 2.3 %: the interval straddles -5 %; more rounds than 4 are needed, and said
     wide = [{"output_throughput": 100 * f, "ttft_ms": {"mean": 10.0}, "tpot_ms": {"mean": 5.0}} for f in (0.94, 0.97, 0.99, 0.984)]
     assert ba.verdict(ba.paired_intervals(wide, direct[:4])) == "unresolved"
     assert 5 <= ba.rounds_needed(wide, direct[:4]) <= 20
