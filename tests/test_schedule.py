@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from quantpipe.run.schedule import GIB, Gpu, Scheduler, default_jobs, gpus
@@ -69,6 +71,66 @@ def test_jobs_and_ram_cap_concurrency_but_one_stage_always_starts():
     assert default_jobs(0) == 1 and default_jobs(2) == 8
 
 
+def test_a_shared_benchmark_starts_beside_other_work_and_measures_only_when_the_gpu_is_idle():
+    s = Scheduler([Gpu("0", 80 * GIB)], jobs=8)
+    assert s.try_start("quantize:a", "quantize", est(10)) is not None
+    b = s.try_start("benchmark:baseline", "benchmark", est(20), share=True)
+    assert b is not None and not b.exclusive and b.gpus == ["0"]  # beside the quantize stage
+    c = s.try_start("benchmark:x", "benchmark", est(20), share=True)
+    assert c is not None and c.gpus == ["0"]
+    assert s.try_start("benchmark:y", "benchmark", est(40), share=True) is None  # 10 + 20 + 20 + 40 > 80 GiB
+    s.wait_to_measure("benchmark:baseline")
+    assert not s.try_measure("benchmark:baseline")  # quantize:a and benchmark:x still work on the GPU
+    assert s.blockers("benchmark:baseline") == ["benchmark:x", "quantize:a"]
+    s.finish("quantize:a")
+    s.wait_to_measure("benchmark:x")  # idle: waiting for its own turn
+    assert s.try_measure("benchmark:baseline")
+    assert not s.try_measure("benchmark:x")  # one measurement at a time
+    assert s.try_start("quantize:b", "quantize", est(1)) is None  # nothing starts on a GPU that is measured
+    s.end_measure("benchmark:baseline")  # busy again (its server stops, or the next variant's starts)
+    assert not s.try_measure("benchmark:x")
+    s.finish("benchmark:baseline")
+    assert s.try_measure("benchmark:x")
+    s.end_measure("benchmark:x")
+    assert s.try_start("quantize:b", "quantize", est(1)) is not None
+
+
+def test_a_shared_benchmark_takes_the_idlest_gpu_and_a_benchmark_that_cannot_share_stays_alone():
+    s = Scheduler(two_gpus(), jobs=8)
+    s.try_start("quantize:a", "quantize", est(5))
+    assert s.try_start("benchmark:a", "benchmark", est(20), share=True).gpus == ["1"]
+    assert s.try_start("benchmark:b", "benchmark", est(20)) is None  # exclusive: no GPU is idle
+    assert s.try_start("benchmark:c", "benchmark", est(20), n_gpus=2, share=True) is None  # tensor-parallel: whole GPUs
+
+
+def test_measure_gate_protocol_between_stage_and_runner(tmp_path, monkeypatch):
+    """The stage asks (want-N), waits for go-N, says done-N; without the variable it never waits."""
+    import threading
+
+    from quantpipe.common import measure_gate
+
+    with measure_gate.measuring() as g:
+        assert g == {"shared_gpu": False, "waited_s": 0.0}
+    monkeypatch.setenv(measure_gate.ENV, str(tmp_path))
+    seen = []
+
+    def stage():
+        with measure_gate.measuring(poll_s=0.01) as g:
+            seen.append(g)
+
+    t = threading.Thread(target=stage)
+    t.start()
+    for _ in range(500):
+        n, state = measure_gate.latest(tmp_path)
+        if state == "want":
+            break
+        threading.Event().wait(0.01)
+    assert state == "want" and not seen  # waiting for the runner
+    measure_gate.grant(tmp_path, n)
+    t.join(5)
+    assert seen and seen[0]["shared_gpu"] and measure_gate.latest(tmp_path) == (n, "done")
+
+
 def test_simulated_gpus_and_gpu_selection(monkeypatch):
     monkeypatch.setenv("QUANTPIPE_GPUS", "2x24")
     assert [(g.index, g.total_bytes) for g in gpus()] == [("0", 24 * GIB), ("1", 24 * GIB)]
@@ -130,3 +192,52 @@ def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_p
             others = [o for o in stages if o != sid and set(stages[o]["devices"]) & set(s["devices"]) and overlap(stages[o], s)]
             assert not others, f"{sid} shared its GPU with {others}"
     assert (run_dir / "plots" / "timeline.png").is_file()
+
+
+@pytest.mark.slow
+def test_shared_benchmarks_measure_only_while_nothing_else_works_on_their_gpu(tiny, tmp_path):
+    """The tiny recipe with kv_cache_memory_bytes set, on one simulated GPU: the benchmarks start beside the other
+    stages, and every measured stretch (as the runner granted it) overlaps no other stage's work on that GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "name": "shared", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
+        "base": {"model": str(tiny.llama)},
+        "artifacts": [{"name": "int8", "method": "w8a8-int8"}],  # servable on any x86 CPU
+        "calibration": {"sources": [{"path": str(Path(__file__).parents[1] / "calibration" / "tiny-mix.jsonl")}], "num_samples": 16, "max_seq_len": 64},
+        "evaluation": {"validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
+        "benchmark": {"workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], "concurrency": [1],
+                      "offline": False, "lora": False, "engine": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}},
+    }))
+    res = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(recipe)], capture_output=True, text=True,
+                         env={**os.environ, "QUANTPIPE_GPUS": "1"}, timeout=1800)
+    assert res.returncode in (0, 3), res.stderr[-4000:]
+    rec = json.loads(next((tmp_path / "out" / "runs").glob("*/run.json")).read_text())
+    stages = rec["stages"]
+    assert all(s["status"] == "ok" for s in stages.values()), {k: s.get("error") for k, s in stages.items() if s["status"] != "ok"}
+    benches = {sid: s for sid, s in stages.items() if sid.startswith("benchmark:")}
+    overlap = lambda a0, a1, b0, b1: a0 < b1 - 0.6 and b0 < a1 - 0.6  # noqa: E731  (the runner looks every 0.5 s)
+    busy = {}  # stage -> the stretches it worked on the GPU
+    for sid, s in stages.items():
+        if sid in benches:
+            w = s["measured_s"]
+            assert len(w) == 1 and w[0][0] < w[0][1], (sid, w)
+            asked = w[0][0] - s["metrics"]["variants"]["default"]["gate"]["waited_s"]
+            busy[sid] = [(s["start_s"], asked), (w[0][1], s["end_s"])]
+            assert "started beside other work" in " ".join(s["metrics"]["engine_notes"])
+        elif s["devices"]:
+            busy[sid] = [(s["start_s"], s["end_s"])]
+    shared = [(b, o) for b in benches for o in busy if o != b and overlap(benches[b]["start_s"], benches[b]["end_s"], *busy[o][0])]
+    assert shared, "no benchmark ever started beside another stage"
+    for b, s in benches.items():
+        m0, m1 = s["measured_s"][0]
+        hits = [o for o in busy if o != b for (t0, t1) in busy[o] if overlap(m0, m1, t0, t1)]
+        hits += [o for o in benches if o != b if overlap(m0, m1, *benches[o]["measured_s"][0])]
+        assert not hits, f"{b} measured while {hits} worked on its GPU"
+    assert "waits for GPU 0 to itself to measure" in res.stdout + res.stderr

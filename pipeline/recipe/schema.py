@@ -191,7 +191,9 @@ class Engine(Strict):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
     tensor_parallel_size: int | None = Field(None, ge=1)
     enforce_eager: bool | None = None
-    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20, description="CPU backend: KV-cache size.")
+    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20, description=(
+        "KV-cache size (vLLM's CPU backend needs one; quantpipe picks it when unset). On a GPU it replaces vLLM's sizing "
+        "from the free memory at start-up, which lets the scheduler share the GPU outside the measured runs."))
     extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` flags, passed as given.")
 
     @field_validator("extra_args")

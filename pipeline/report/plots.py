@@ -144,7 +144,9 @@ def make_plots(summary: dict, plot_dir: Path) -> list[dict]:
     if timeline is not None:
         save(timeline, "timeline", "Where the time went: the run's stages by GPU",
              {"text": "Each bar is a stage that ran (cache hits are not drawn), on the GPU it was given (CPU: stages that use "
-                      "none); benchmarks have their GPU to themselves, quantize and evaluate stages share one."})
+                      "none); benchmarks have their GPU to themselves, quantize and evaluate stages share one. A benchmark whose engine sets "
+                      "kv_cache_memory_bytes shares its GPU while its server starts and answers the evaluation (pale) and has it to "
+                      "itself while it measures (solid)."})
     return plots
 
 
@@ -152,23 +154,38 @@ KIND_COLOURS = {"merge": "#8c6d31", "quantize": "#3182bd", "evaluate": "#31a354"
 
 
 def _timeline(summary: dict, plt):
-    """A Gantt chart of the stages that ran, one lane per GPU (and one for stages on no GPU); None if nothing ran."""
+    """A Gantt chart of the stages that ran, one lane per GPU (and one for stages on no GPU), stages that overlap on a
+    lane drawn on rows of their own; None if nothing ran."""
     ran = [s for s in summary.get("stages") or [] if s.get("start_s") is not None and s.get("end_s") is not None and s.get("cache") != "hit"]
     if not ran:
         return None
-    lanes = sorted({d for s in ran for d in s["devices"]}, key=lambda d: (len(d), d))
-    names = [f"GPU {d}" for d in lanes] + (["CPU"] if any(not s["devices"] for s in ran) else [])
-    fig, ax = plt.subplots(figsize=(7.6, 0.9 + 0.5 * len(names)))
-    fig.subplots_adjust(bottom=0.35 if len(names) < 3 else 0.22, left=0.12)
-    for s in ran:
-        kind = s["id"].split(":")[0]
+    lanes = [f"GPU {d}" for d in sorted({d for s in ran for d in s["devices"]}, key=lambda d: (len(d), d))]
+    lanes += ["CPU"] if any(not s["devices"] for s in ran) else []
+    rows: dict[str, list[float]] = {lane: [] for lane in lanes}  # lane -> each row's last end
+    bars = []
+    for s in sorted(ran, key=lambda s: s["start_s"]):
         for lane in [f"GPU {d}" for d in s["devices"]] or ["CPU"]:
-            y = names.index(lane)
-            ax.barh(y, s["end_s"] - s["start_s"], left=s["start_s"], height=0.6, color=KIND_COLOURS.get(kind, "#999"),
-                    edgecolor="white", alpha=0.9 if s.get("status") == "ok" else 0.4)
-    ax.set_yticks(range(len(names)), names)
+            free = [i for i, end in enumerate(rows[lane]) if end <= s["start_s"] + 1e-6]
+            i = free[0] if free else len(rows[lane])
+            rows[lane][i:i + 1] = [s["end_s"]]
+            bars.append((lane, i, s))
+    ys, y = {}, 0
+    for lane in lanes:
+        ys[lane] = y
+        y += len(rows[lane]) + 0.5
+    height = 1.3 + 0.3 * y
+    fig, ax = plt.subplots(figsize=(7.6, height))
+    fig.subplots_adjust(bottom=0.65 / height, top=1 - 0.35 / height, left=0.12)
+    for lane, i, s in bars:
+        colour = KIND_COLOURS.get(s["id"].split(":")[0], "#999")
+        windows = [w for w in s.get("measured_s") or [] if None not in w]  # a shared benchmark: solid where it measured
+        ax.barh(ys[lane] + i, s["end_s"] - s["start_s"], left=s["start_s"], height=0.8, color=colour, edgecolor="white",
+                alpha=0.9 if s.get("status") == "ok" and not windows else 0.35)
+        for a, b in windows:
+            ax.barh(ys[lane] + i, b - a, left=a, height=0.8, color=colour, edgecolor="white", alpha=0.95)
+    ax.set_yticks([ys[lane] + (len(rows[lane]) - 1) / 2 for lane in lanes], lanes)
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run started")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
-    ax.legend(handles, KIND_COLOURS.keys(), fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(names) < 3 else -0.2), frameon=False)
+    ax.legend(handles, KIND_COLOURS.keys(), fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     return fig

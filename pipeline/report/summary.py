@@ -117,7 +117,8 @@ def summarize(record: dict) -> dict:
         "stages": [{"id": k, "status": v.get("status"), "cache": v.get("cache"), "wall_s": v.get("wall_s"),
                     "note": _first_line(v.get("error") or v.get("reason") or _d(v.get("metrics")).get("status_note")),
                     "start_s": _num(v.get("start_s")), "end_s": _num(v.get("end_s")),
-                    "devices": [_s(d) for d in _l(v.get("devices"))]}
+                    "devices": [_s(d) for d in _l(v.get("devices"))],
+                    "measured_s": [[_num(a), _num(b)] for a, b in (w for w in _l(v.get("measured_s")) if isinstance(w, list) and len(w) == 2)]}
                    for k, v in _d(record.get("stages")).items() if isinstance(v, dict)],
         "provenance": provenance(record),
         "variants": variant_table(record),

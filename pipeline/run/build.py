@@ -19,6 +19,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ..common import measure_gate
 from ..envs import python_for
 from ..stages.contract import Upstream
 from .plan import Step
@@ -124,6 +125,8 @@ class Builder:
         (works[-1] / "spec.json").write_text(json.dumps(spec, indent=2, default=str))
         try:
             env = {"CUDA_VISIBLE_DEVICES": ",".join(grant.gpus)} if grant.gpus else {}
+            if grant.gate:
+                env[measure_gate.ENV] = grant.gate
             return self.r.procs.spawn([str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")], log_path, self.r.stage_timeout_s, env)
         except BaseException:  # the stage was stopped, its half output goes
             for w in works:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import queue
 import re
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from filelock import FileLock, Timeout
 
 from .. import __version__, preflight
 from ..cache import ContentHasher, StageCache, hash_json
+from ..common import measure_gate
 from ..envs import LEGACY_ENVS, git_commit, hardware, python_for, versions
 from ..recipe import Recipe
 from ..stages.contract import Upstream
@@ -35,7 +38,7 @@ from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, redact, secrets
 from .publish import PublishError
 from .record import close_dead_runs, index_run, new_run_dir, write_record
-from .schedule import Grant, Scheduler, default_jobs, gpus
+from .schedule import Grant, Scheduler, default_jobs, gpus, shares_gpu
 
 log = logging.getLogger(__name__)
 KINDS = ("merge", "quantize", "evaluate", "benchmark", "package")
@@ -203,8 +206,12 @@ class Runner:
                     recs.append({"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted" if stopped else "failed",
                                  "error": str(e) if stopped else f"{type(e).__name__}: {e}"})
                     failed[s.id] = recs[-1]["error"]
+            if grant.gate:
+                shutil.rmtree(grant.gate, ignore_errors=True)
             for s, rec in zip(job, recs):  # the job's thread is known by its last step: that one is put last
                 rec |= {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}
+                if grant.gate and s.kind == "benchmark":
+                    rec["measured_s"] = grant.windows  # when it had its shared GPU alone
                 done.put((s, rec))
 
         try:
@@ -235,13 +242,17 @@ class Runner:
                         job = [s, b]  # both to build: one job, on the benchmark's terms (whole GPUs, or the host alone)
                     head = job[-1]
                     tp = (head.inp.benchmark.engine.tensor_parallel_size or 1) if head.kind == "benchmark" else 1
-                    grant = self.scheduler.try_start(head.id, head.kind, self.estimates.get(head.id), n_gpus=tp)
+                    share = head.kind == "benchmark" and self.executor is None and shares_gpu(head.inp.benchmark)
+                    grant = self.scheduler.try_start(head.id, head.kind, self.estimates.get(head.id), n_gpus=tp, share=share)
                     if grant is None:
                         continue
+                    if share and not grant.exclusive:
+                        grant.gate = tempfile.mkdtemp(prefix="measure-gate-", dir=self.procs.tmpdir)
                     for x in job:
                         pending.remove(x)
                     threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
                     threads[head.id].start()
+                self._tend_gates(t_start)
                 if not threads and done.empty():
                     if pending:  # nothing runs and nothing can start: a dependency outside the plan, or a bug
                         raise RunError(f"no stage can start: {', '.join(s.id for s in pending)} wait for inputs that are not planned")
@@ -262,6 +273,26 @@ class Runner:
                 self.procs.stop_all()
                 for th in threads.values():
                     th.join(timeout=30)
+
+    def _tend_gates(self, t_start: float) -> None:
+        """Shared benchmarks asking for their GPU alone (common/measure_gate.py): let one measure once every other
+        stage on its GPU is idle; note when each measured and when it was done."""
+        for sid, g in list(self.scheduler.running.items()):
+            if not g.gate:
+                continue
+            n, state = measure_gate.latest(g.gate)
+            if state == "want" and g.phase != "measuring":
+                first = g.phase == "busy"
+                self.scheduler.wait_to_measure(sid)
+                if self.scheduler.try_measure(sid):
+                    measure_gate.grant(g.gate, n)
+                    g.windows.append([round(time.time() - t_start, 3), None])
+                elif first:
+                    self.say(f"  [dim]…[/dim] {sid:<24} waits for GPU {','.join(g.gpus)} to itself to measure "
+                             f"(busy: {', '.join(self.scheduler.blockers(sid))})")
+            elif state == "done" and g.phase == "measuring":
+                self.scheduler.end_measure(sid)
+                g.windows[-1][1] = round(time.time() - t_start, 3)
 
     def _do_step(self, s: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, built=None) -> dict:
         """Reuse or build one stage and record it; `built`: what a joint job made of it ((marker, state) or StageFailed)."""

@@ -2,6 +2,11 @@
 
 - a benchmark gets its GPUs to itself for its whole length (nothing else on them, or its figures are not
   worth publishing); on a host without GPUs it runs alone;
+- except a benchmark whose every engine sets `kv_cache_memory_bytes` (vLLM then sizes its KV cache from that,
+  not from the GPU's free memory at start-up, so other work on the GPU cannot change it): it shares its GPU,
+  packed by its `gpu_memory_utilization` share, while its server starts and answers its evaluation, and has
+  the GPU to itself only while it measures. Before its warm-up it waits (`wait_to_measure`) until every other
+  stage on its GPU is idle, that is waiting to measure too; while it measures nothing starts on that GPU;
 - quantize and evaluate share GPUs, packed by their pre-flight GPU-memory estimates (their RAM estimate
   where no GPU estimate exists, as on a host whose GPUs are simulated) onto the busiest GPU they fit, so
   that other GPUs stay idle for benchmarks;
@@ -13,6 +18,8 @@ nothing runs (pre-flight has already refused a stage that fits no GPU or not in 
     sched = Scheduler(gpus("0,1"), ram_bytes=64 << 30, jobs=4)
     grant = sched.try_start("quantize:awq", "quantize", est)   # -> Grant(gpus=["0"]) or None
     sched.finish("quantize:awq")
+    sched.try_start("benchmark:fp8", "benchmark", est, share=True)   # a shared grant
+    sched.wait_to_measure("benchmark:fp8"); sched.try_measure("benchmark:fp8")   # -> True when the GPU is its alone
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ class Grant:
     gpu_bytes: int = 0
     ram_bytes: int = 0
     exclusive: bool = False
+    phase: str = "busy"  # a shared benchmark: "waiting" (to measure: idle on its GPU) or "measuring"
+    gate: str | None = None  # a shared benchmark: the folder its worker and the runner meet in (common/measure_gate.py)
+    windows: list = field(default_factory=list)  # [start_s, end_s] of each stretch it measured
 
 
 def gpus(select: str | None = None) -> list[Gpu]:
@@ -73,6 +83,12 @@ def gpus(select: str | None = None) -> list[Gpu]:
     return found
 
 
+def shares_gpu(bench) -> bool:
+    """A benchmark (`Benchmark` section) may share its GPU outside its measured runs: its engines size the KV cache
+    from `kv_cache_memory_bytes` (variants inherit it), not from what is free on the GPU when they start."""
+    return bench.engine.kv_cache_memory_bytes is not None
+
+
 def default_jobs(n_gpus: int) -> int:
     """Without GPUs one stage at a time (CPU stages take every core); with GPUs four per GPU at most."""
     return 4 * n_gpus if n_gpus else 1
@@ -91,27 +107,53 @@ class Scheduler:
     def _free_bytes(self, gpu: Gpu) -> int:
         return gpu.total_bytes - sum(g.gpu_bytes for g in self._users(gpu.index))
 
-    def try_start(self, sid: str, kind: str, est: dict | None, n_gpus: int = 1) -> Grant | None:
-        """A grant if `sid` may start now, else None."""
+    def _measured(self, index: str) -> bool:
+        return any(g.phase == "measuring" for g in self._users(index))
+
+    def try_start(self, sid: str, kind: str, est: dict | None, n_gpus: int = 1, share: bool = False) -> Grant | None:
+        """A grant if `sid` may start now, else None; `share`: a benchmark that may share its GPU outside its
+        measured runs (see the module docstring)."""
         est = est or {}
         ram = int(est.get("ram_bytes") or 0)
         if len(self.running) >= max(1, self.jobs):
             return None
         if self.running and self.ram_bytes is not None and sum(g.ram_bytes for g in self.running.values()) + ram > self.ram_bytes:
             return None
-        if kind in EXCLUSIVE:
+        if kind in EXCLUSIVE and not (share and self.gpus and n_gpus == 1):
             return self._exclusive(sid, ram, n_gpus)
         if any(g.exclusive and not g.gpus for g in self.running.values()):
             return None  # a benchmark on a host without GPUs runs alone
-        if kind in SHARED and self.gpus:
+        if (kind in SHARED or kind in EXCLUSIVE) and self.gpus:
             need = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0)
-            fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index))
+            fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index)) and not self._measured(g.index)
                     and (self._free_bytes(g) >= need or not self._users(g.index))]
             if not fits:
                 return None
-            gpu = min(fits, key=lambda g: (not self._users(g.index), self._free_bytes(g)))  # the busiest GPU it fits
+            if kind in EXCLUSIVE:  # a shared benchmark: the idlest GPU, so that its measurement waits the least
+                gpu = min(fits, key=lambda g: (len(self._users(g.index)), -self._free_bytes(g)))
+            else:  # the busiest GPU it fits
+                gpu = min(fits, key=lambda g: (not self._users(g.index), self._free_bytes(g)))
             return self._grant(sid, Grant([gpu.index], need, ram))
         return self._grant(sid, Grant([], 0, ram))
+
+    def wait_to_measure(self, sid: str) -> None:
+        """`sid` (a shared benchmark) is ready to measure: idle on its GPU until `try_measure` lets it."""
+        self.running[sid].phase = "waiting"
+
+    def try_measure(self, sid: str) -> bool:
+        """True, and `sid` measures, when every other stage on its GPU is idle (waiting to measure)."""
+        if self.blockers(sid):
+            return False
+        self.running[sid].phase = "measuring"
+        return True
+
+    def blockers(self, sid: str) -> list[str]:
+        """The stages that keep `sid` from measuring: those on its GPU that are not waiting to measure."""
+        g = self.running[sid]
+        return sorted({other for other, u in self.running.items() if u is not g and set(u.gpus) & set(g.gpus) and u.phase != "waiting"})
+
+    def end_measure(self, sid: str) -> None:
+        self.running[sid].phase = "busy"
 
     def _exclusive(self, sid: str, ram: int, n_gpus: int) -> Grant | None:
         if not self.gpus:

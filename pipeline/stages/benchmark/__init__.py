@@ -21,7 +21,8 @@ out/results.json (the returned metrics are the same document):
     status_note             one line for the run log (the reason, or variants that failed), else null
     platform, platform_info "cpu" | "cuda"; the device and the kernels vLLM loaded
     engine, engine_notes    effective engine arguments of the default variant (the recipe's, plus dtype,
-                            kv_cache_memory_bytes on CPU...) and sentences on what quantpipe chose and why
+                            kv_cache_memory_bytes on CPU...) and sentences on what quantpipe chose and why (and,
+                            on a GPU shared outside measured runs, that the start-up figures include that)
     server_start_s          seconds from `vllm serve` to a healthy /health (default variant)
     startup                 that start phase by phase from the server's log (stages/benchmark/startup.py)
     shared_s                seconds the artifact's evaluation held that server before the warm-up (a joint job;
@@ -34,7 +35,8 @@ out/results.json (the returned metrics are the same document):
         within the SLO and no failed request; null without an SLO), input_tokens_mean,
         output_tokens_mean, prefix_cache_hit_rate, preemptions, kv_cache_usage_peak (fraction),
         running_peak, waiting_peak (peaks of the engine's 1 s stats lines), raw (vLLM's JSON, under out/)
-    variants                {name: {engine, engine_notes, servable, reason, server_start_s, memory, port, log}}
+    variants                {name: {engine, engine_notes, servable, reason, server_start_s, memory, port, log,
+                            gate: {shared_gpu, waited_s} (how long the measured runs waited for the GPU alone)}}
     memory                  default variant: weights_gib (on disk), weights_loaded_gib, kv_cache_tokens,
                             kv_cache_gib, peak_rss_gib (the server's process tree) or peak_gpu_gib, and
                             prefix_cache_hit_rate, preemptions, kv_cache_usage_peak over all runs
@@ -60,9 +62,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
+from ...common.measure_gate import ENV as GATE_ENV
+from ...common.measure_gate import measuring
 from ...common.vllm_support import probe_platform, quant_scheme, unservable_reason, variant_engines
 from ...serving_links import stable_path
 from .. import StageError
@@ -75,6 +80,9 @@ from .offline import offline
 from .workloads import validation_rows, workload_data
 
 log = logging.getLogger(__name__)
+SHARED_NOTE = ("the server started beside other work on its GPU (the engine sets kv_cache_memory_bytes, so the scheduler shares "
+               "the GPU outside measured runs): its start-up phases include that contention; its warm-up and every measured "
+               "run had the GPU to itself (`gate` in each variant: how long it waited for it)")
 
 
 def _versions() -> dict:
@@ -145,6 +153,8 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
             result["served_path"] = str(served)
             for vname, e in variants:
                 engine, notes = effective_engine(e, inp, src, plat, need)
+                if os.environ.get(GATE_ENV):
+                    notes = [*notes, SHARED_NOTE]
                 info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
                                      client=client, on_ready=on_ready if vname == "default" else None)
                 info["engine_notes"] = notes
@@ -159,7 +169,8 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
                         return finish()
                     result["memory"] = info["memory"]
                     if bench.offline:
-                        result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
+                        with measuring():
+                            result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
                 elif not info["servable"]:
                     failed_variants.append(vname)
 

@@ -16,6 +16,7 @@ import re
 import time
 from pathlib import Path
 
+from ...common.measure_gate import measuring
 from ...common.vllm_support import LINEAR_KERNEL, engine_flags
 from ...recipe import SLO, Benchmark, Workload
 from ...server import Server, ServerDied
@@ -348,12 +349,13 @@ def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served
                 on_ready(srv)
                 info["shared_s"] = round(time.perf_counter() - t0, 2)
                 reset_prefix_cache(srv)
-            warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
-                    engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
-            rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names, client)
-            info["rows"] = rows
-            if bench.goodput_search and name == "default":
-                info["goodput_search"] = search_goodput(srv, bench, rows, data, tokenizer, out, client)
+            with measuring() as info["gate"]:  # a shared GPU: the warm-up and the runs have it to themselves
+                warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
+                        engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
+                rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names, client)
+                info["rows"] = rows
+                if bench.goodput_search and name == "default":
+                    info["goodput_search"] = search_goodput(srv, bench, rows, data, tokenizer, out, client)
             info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
         if plat.get("platform") == "cuda":

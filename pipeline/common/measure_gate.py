@@ -1,0 +1,54 @@
+"""How a benchmark that shares its GPU (run/schedule.py) gets the GPU to itself for what it measures.
+
+The runner hands the stage's worker a folder in `QUANTPIPE_MEASURE_GATE`. Before each measured stretch (a
+server's warm-up and runs, the offline benchmarks) the stage creates `want-N` and waits for `go-N`; the
+runner creates `go-N` once every other stage on that GPU is idle, and starts nothing there until the stage
+creates `done-N`. Without the variable (a GPU of its own, a host without GPUs, a stage run by hand)
+`measuring()` goes on at once.
+
+    with measuring() as gate:      # stage side
+        ...                        # gate["waited_s"]: how long it waited for the GPU
+    n, state = latest(folder)      # runner side: (0, "") | (N, "want" | "go" | "done")
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ENV = "QUANTPIPE_MEASURE_GATE"
+_requests = itertools.count(1)
+
+
+@contextmanager
+def measuring(poll_s: float = 0.2):
+    gate = {"shared_gpu": bool(os.environ.get(ENV)), "waited_s": 0.0}
+    if not gate["shared_gpu"]:
+        yield gate
+        return
+    folder, n = Path(os.environ[ENV]), next(_requests)
+    (folder / f"want-{n}").touch()
+    t0 = time.monotonic()
+    while not (folder / f"go-{n}").exists():
+        time.sleep(poll_s)
+    gate["waited_s"] = round(time.monotonic() - t0, 2)
+    try:
+        yield gate
+    finally:
+        (folder / f"done-{n}").touch()
+
+
+def latest(folder: str | Path) -> tuple[int, str]:
+    """The stage's latest request in `folder` and how far it got."""
+    names = {p.name for p in Path(folder).iterdir()} if Path(folder).is_dir() else set()
+    n = max((int(x.split("-")[1]) for x in names if x.startswith("want-")), default=0)
+    if not n:
+        return 0, ""
+    return n, "done" if f"done-{n}" in names else "go" if f"go-{n}" in names else "want"
+
+
+def grant(folder: str | Path, n: int) -> None:
+    (Path(folder) / f"go-{n}").touch()
