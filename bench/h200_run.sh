@@ -33,7 +33,9 @@
 #   bench/h200_run.sh recipe [RECIPE]          one H200, detached: RECIPE (default the 8B shape's whole recipe) in one
 #                                              `quantpipe run` from an empty stage cache, then its unchanged re-run;
 #                                              QP_ARTIFACTS=gptq-w4a16,awq-w4a16 builds only those (`--artifacts`);
-#                                              QP_WARM=1: the second run from an empty stage cache on the warm host
+#                                              QP_WARM=1: the second run from an empty stage cache on the warm host;
+#                                              QP_WARMUP=RECIPE: the first run is that lighter recipe (same shape, schemes,
+#                                              engine); QP_JOBS: --jobs; QP_STAGE_TIMEOUT: minutes (default 10)
 #   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly`, `one-gpu` or `recipe` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -146,8 +148,13 @@ _recipe)
   R=$1 L=/tmp/qp/log
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   df -h /tmp
-  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS})
-  python3 -m quantpipe run --stage-timeout 10 $R "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (${QP_ARTIFACTS:-the whole recipe}, empty stage cache) rc=$rc"
+  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_JOBS:+--jobs $QP_JOBS})
+  limit=${QP_STAGE_TIMEOUT:-10}  # minutes; a benchmark sharing its GPU counts the time it waits for it
+  if [ -n "${QP_WARMUP:-}" ]; then  # R1 warms the host with a lighter recipe of the same shape, schemes and engine
+    python3 -m quantpipe run --stage-timeout $limit $QP_WARMUP "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (warm-up $QP_WARMUP) rc=$rc"
+  else
+    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (${QP_ARTIFACTS:-the whole recipe}, empty stage cache) rc=$rc"
+  fi
   if [ $rc = 2 ]; then  # refused before anything ran (pre-flight: disk): the artifacts that fit
     tail -5 $L/R1.log; python3 -m quantpipe run --stage-timeout 10 $R --artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16} > $L/R1b.log 2>&1
     stamp "R1b (--artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16}) rc=$?"
@@ -155,9 +162,9 @@ _recipe)
   if [ -n "${QP_WARM:-}" ]; then  # the nightly case: an empty stage cache on a host whose compile and kernel caches are warm
     mkdir -p $L/R1-cache && (cd "$QUANTPIPE_CACHE" && find . -type f \( -name '*.json' -o -name '*.log' \) -size -8M | tar cf - -T - | tar xf - -C $L/R1-cache)
     rm -rf "$QUANTPIPE_CACHE"; stamp "stage cache emptied (its records in $L/R1-cache)"
-    python3 -m quantpipe run --stage-timeout 10 $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (empty stage cache, warm host) rc=$?"
+    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (empty stage cache, warm host) rc=$?"
   else
-    python3 -m quantpipe run --stage-timeout 10 $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
+    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
   fi
   stamp done; touch $L/done
   ;;
