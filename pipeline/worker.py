@@ -122,9 +122,10 @@ def run_stage(spec: dict, **shared) -> int:
     inp = INPUTS[spec["kind"]].model_validate(spec["input"])
     upstream = {role: Upstream.from_json(u) for role, u in spec.get("upstream", {}).items()}
     src = Path(spec["src"]).absolute()
-    os.chdir(Path(spec["out"]).parent)  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
     failed = Path(spec["metrics"]).with_name("failed.json")
     t0 = time.perf_counter()
+    cwd = os.getcwd()
+    os.chdir(Path(spec["out"]).parent)  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
     try:
         metrics = fn(inp, src, Path(spec["out"]), upstream, **shared) or {}
     except StageError as e:
@@ -139,6 +140,8 @@ def run_stage(spec: dict, **shared) -> int:
             print(f"STAGE_ERROR: {why}", file=sys.stderr)
         failed.write_text(json.dumps({"rc": 1, "error": why or f"{type(e).__name__}: {e}"}))
         return 1
+    finally:
+        os.chdir(cwd)  # a joint job's evaluation ends inside its benchmark: the benchmark's files stay out of its folder
     metrics = {**metrics, "wall_s": round(time.perf_counter() - t0, 3), "peak_rss_gib": peak_rss_gib()}
     try:
         import torch
@@ -147,7 +150,9 @@ def run_stage(spec: dict, **shared) -> int:
             metrics["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     except Exception:
         pass
-    Path(spec["metrics"]).write_text(json.dumps(metrics, indent=2, default=str))
+    tmp = Path(spec["metrics"]).with_suffix(".tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, default=str))
+    os.replace(tmp, spec["metrics"])  # whole or absent: in a joint job the runner commits the evaluation as soon as it appears
     return 0
 
 

@@ -226,8 +226,8 @@ def test_rerun_is_all_cache_hits_and_corruption_is_rebuilt(tiny, tmp_path):
 @pytest.mark.slow
 def test_vllm_backend_evaluates_through_the_benchmark_server_one_start_per_model(tiny, tmp_path):
     """Backend vllm with a benchmark: each model's evaluation and benchmark are one job with one `vllm serve` start, the
-    evaluation answered before the warm-up and sweep. A second run with only the benchmark changed reuses every
-    evaluation and measures each model again, alone."""
+    evaluation answered before the warm-up and sweep, and committed then (what reads it may start while the sweep runs).
+    A second run with only the benchmark changed reuses every evaluation and measures each model again, alone."""
     bench = {"engine": {"max_model_len": 512, "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456},
              "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], "concurrency": [1]}
     over = {"base": {"model": str(tiny.llama), "dtype": "bfloat16"}, "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
@@ -243,6 +243,7 @@ def test_vllm_backend_evaluates_through_the_benchmark_server_one_start_per_model
     for m in ("baseline", "int8"):
         ev, bm = rec["stages"][f"evaluate:{m}"], rec["stages"][f"benchmark:{m}"]
         assert (ev["cache"], bm["cache"], ev["status"], bm["status"]) == ("miss", "miss", "ok", "ok")
+        assert ev["end_s"] + 2 < bm["end_s"], (ev, bm)  # committed as soon as it was done, while the sweep ran
         assert ev["metrics"]["engine"]["shared"] is True and ev["metrics"]["timings"]["engine_start_s"] == 0
         assert not (Path(ev["out"]) / "server.log").exists()
         server_log = (Path(bm["out"]) / "logs" / "server-default.log").read_text()

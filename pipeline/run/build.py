@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -61,15 +62,17 @@ class Builder:
             raise self._failure(s, rc, log_path)
         return self._commit(s, work, src, upstream, t0, log_path)
 
-    def build_joint_locked(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, forced: dict, state: dict) -> dict:
+    def build_joint_locked(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, forced: dict, state: dict,
+                           on_eval=None) -> dict:
         """Under both entries' locks, the evaluation `e` and its benchmark `b` as one job: {stage id: (marker, state) or
-        StageFailed}; where another run built one of them meanwhile, the other on its own."""
+        StageFailed}; where another run built one of them meanwhile, the other on its own. `on_eval((marker, state))`:
+        called as soon as the evaluation is committed, while the benchmark goes on (what reads it may start)."""
         for s in (b, e):
             self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.r.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.r.cache.entry(e.id, e.key)) + ".lock"):
             have = {s.id: None if forced[s.id] else self.r.cache.lookup(s.id, s.key) for s in (e, b)}
             if not any(have.values()):
-                return self.build_joint(e, b, base_dir, run_dir, grant, state)
+                return self.build_joint(e, b, base_dir, run_dir, grant, state, on_eval)
             built: dict[str, object] = {}
             for s in (e, b):
                 try:
@@ -78,26 +81,46 @@ class Builder:
                     built[s.id] = exc
             return built
 
-    def build_joint(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, state: dict) -> dict:
+    def build_joint(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, state: dict, on_eval=None) -> dict:
         works = {s.id: self.r.cache.begin(s.id, s.key) for s in (e, b)}
         (spec_e, src, up_e), (spec_b, _, up_b) = self._spec(e, base_dir, works[e.id]), self._spec(b, base_dir, works[b.id])
         log_path = run_dir / "logs" / f"{b.id.replace(':', '_')}.log"
         on = f" on GPU {','.join(grant.gpus)}" if grant.gpus else ""
         self.r.say(f"  [cyan]>[/cyan] {e.id} + {b.id}: one server in the {b.env} environment{on} (log: {log_path})")
         t0 = time.perf_counter()
-        rc = self._spawn(b, {**spec_b, "evaluate": spec_e}, list(works.values()), log_path, grant)
         built: dict[str, object] = {}
         ew = works[e.id]
+        ended = threading.Event()
+
+        def watch() -> None:  # the evaluation is committed the moment the worker writes its metrics
+            while not ended.wait(0.5):
+                if (ew / "metrics.json").exists():
+                    try:
+                        built[e.id] = (self._commit(e, ew, src, up_e, None, log_path), state[e.id])
+                    except StageFailed as exc:
+                        built[e.id] = exc
+                    if on_eval is not None:
+                        on_eval(built[e.id])
+                    return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
         try:
-            if (ew / "metrics.json").exists():
-                built[e.id] = (self._commit(e, ew, src, up_e, None, log_path), state[e.id])
-            else:
-                why = json.loads((ew / "failed.json").read_text()) if (ew / "failed.json").exists() else {"rc": rc, "error": None}
-                built[e.id] = self._failure(e, why["rc"], log_path, why["error"])
-        except StageFailed as exc:
-            built[e.id] = exc
+            rc = self._spawn(b, {**spec_b, "evaluate": spec_e}, list(works.values()), log_path, grant)
         finally:
-            shutil.rmtree(ew, ignore_errors=True)
+            ended.set()
+            watcher.join()
+        if e.id not in built:
+            try:
+                if (ew / "metrics.json").exists():
+                    built[e.id] = (self._commit(e, ew, src, up_e, None, log_path), state[e.id])
+                else:
+                    why = json.loads((ew / "failed.json").read_text()) if (ew / "failed.json").exists() else {"rc": rc, "error": None}
+                    built[e.id] = self._failure(e, why["rc"], log_path, why["error"])
+            except StageFailed as exc:
+                built[e.id] = exc
+            finally:
+                shutil.rmtree(ew, ignore_errors=True)
         try:
             if rc != 0:
                 raise self._failure(b, rc, log_path)

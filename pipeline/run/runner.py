@@ -194,8 +194,13 @@ class Runner:
         def work(job: list[Step], grant: Grant) -> None:
             """One stage, or an evaluation with its benchmark (a joint job: one server for both)."""
             t0 = time.time()
+
+            def early(s: Step, rec: dict) -> None:  # a joint job's evaluation, committed while its benchmark goes on
+                job.remove(s)
+                done.put((s, rec | {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}))
+
             try:
-                recs = self._do_joint(*job, base_dir, failed, force, run_dir, grant) if len(job) == 2 else \
+                recs = self._do_joint(*job, base_dir, failed, force, run_dir, grant, early) if len(job) == 2 else \
                     [self._do_step(job[0], base_dir, failed, force, run_dir, grant)]
             except BaseException as e:  # stopped by the run's interrupt (recorded, no traceback), or a runner bug (the stage fails, the run goes on)
                 stopped = isinstance(e, KeyboardInterrupt)
@@ -332,14 +337,24 @@ class Runner:
         return {**rec, "cache": state, "status": "ok", "wall_s": round(dt, 3), "stage_wall_s": marker.get("wall_s"), "metrics": metrics, "out": str(out),
                 **({"placement": marker["placement"]} if "placement" in marker else {})}
 
-    def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant) -> list[dict]:
+    def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, early=None) -> list[dict]:
         """An artifact's evaluation and benchmark from one process in the serve environment: the benchmark's server, once
-        healthy, answers the evaluation, then is measured (quantpipe.worker). Each keeps its own key and entry."""
+        healthy, answers the evaluation, then is measured (quantpipe.worker). Each keeps its own key and entry. The
+        evaluation's record goes to `early(step, record)` as soon as it is committed (what reads it may start), the
+        benchmark's is returned."""
         forced = {s.id: _forced(s, force) for s in (e, b)}
         state = {sid: "forced" if f else "miss" for sid, f in forced.items()}
+        sent = []
+
+        def on_eval(built_e) -> None:
+            rec = self._do_step(e, base_dir, failed, force, run_dir, grant, built=built_e)
+            sent.append(e)
+            if early is not None:
+                early(e, rec)
+
         built = (self.executor.build_joint(e, b, base_dir, run_dir, forced, state) if self.executor  # one Ray task, a node takes both locks
-                 else self.builder.build_joint_locked(e, b, base_dir, run_dir, grant, forced, state))
-        return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b)]
+                 else self.builder.build_joint_locked(e, b, base_dir, run_dir, grant, forced, state, on_eval))
+        return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b) if s not in sent]
 
     def _trap_signals(self):
         def handler(signum, frame):
