@@ -164,7 +164,7 @@ class Unlimited:
     def __init__(self, jobs: int | None):
         self.jobs, self.running, self.ram_bytes = jobs, set(), None
 
-    def try_start(self, sid, kind, est, n_gpus: int = 1) -> Grant | None:
+    def try_start(self, sid, kind, est, n_gpus: int = 1, share: bool = False) -> Grant | None:
         if self.jobs and len(self.running) >= self.jobs:
             return None
         self.running.add(sid)

@@ -257,7 +257,8 @@ class Runner:
                         pending.remove(x)
                     threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
                     threads[head.id].start()
-                self._tend_gates(t_start)
+                if self.executor is None:  # with Ray, benchmarks keep whole GPUs
+                    self._tend_gates(t_start)
                 if not threads and done.empty():
                     if pending:  # nothing runs and nothing can start: a dependency outside the plan, or a bug
                         raise RunError(f"no stage can start: {', '.join(s.id for s in pending)} wait for inputs that are not planned")
