@@ -123,13 +123,13 @@ class Scheduler:
             return self._exclusive(sid, ram, n_gpus)
         if any(g.exclusive and not g.gpus for g in self.running.values()):
             return None  # a benchmark on a host without GPUs runs alone
-        if (kind in SHARED or kind in EXCLUSIVE) and self.gpus:
+        if (kind in SHARED or share) and self.gpus:
             need = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0)
             fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index)) and not self._measured(g.index)
                     and (self._free_bytes(g) >= need or not self._users(g.index))]
             if not fits:
                 return None
-            if kind in EXCLUSIVE:  # a shared benchmark: the idlest GPU, so that its measurement waits the least
+            if share:  # a benchmark: the idlest GPU, so that its measurement waits the least
                 gpu = min(fits, key=lambda g: (len(self._users(g.index)), -self._free_bytes(g)))
             else:  # the busiest GPU it fits
                 gpu = min(fits, key=lambda g: (not self._users(g.index), self._free_bytes(g)))
