@@ -187,7 +187,8 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
               help="Stop any stage that runs longer than this (and its processes; a benchmark sharing its GPU counts the time it waits "
                    "for it); the run goes on with the others and exits non-zero.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
-              help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting).")
+              help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting). "
+                   "Without GPUs, N > 1 shares the CPU; a benchmark still measures with the host to itself.")
 @click.option("--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them).")
 @click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
               help="Where stages run: on this host, or as Ray tasks on a Ray cluster's nodes (docs/cluster.md).")

@@ -13,6 +13,7 @@ only `benchmark:` redoes the benchmark alone, and the reverse.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -150,6 +151,8 @@ class Builder:
             env = {"CUDA_VISIBLE_DEVICES": ",".join(grant.gpus)} if grant.gpus else {}
             if grant.gate:
                 env[measure_gate.ENV] = grant.gate
+            if grant.cpu_shared and "OMP_WAIT_POLICY" not in os.environ:
+                env["OMP_WAIT_POLICY"] = "PASSIVE"
             return self.r.procs.spawn([str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")], log_path, self.r.stage_timeout_s, env)
         except BaseException:  # the stage was stopped, its half output goes
             for w in works:

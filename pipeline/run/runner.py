@@ -187,7 +187,7 @@ class Runner:
         """Start each stage as soon as its inputs are committed and the scheduler grants it GPUs and memory."""
         ids = {s.id for s in steps}
         by_id = {s.id: s for s in steps}
-        pending = list(steps)
+        pending = sorted(steps, key=lambda s: s.kind != "quantize")  # plan order, quantize stages first: each starts the longest chain
         done: queue.Queue = queue.Queue()
         threads: dict[str, threading.Thread] = {}
 
@@ -294,7 +294,8 @@ class Runner:
                     measure_gate.grant(g.gate, n)
                     g.windows.append([round(time.time() - t_start, 3), None])
                 elif first:
-                    self.say(f"  [dim]…[/dim] {sid:<24} waits for GPU {','.join(g.gpus)} to itself to measure "
+                    where = f"GPU {','.join(g.gpus)}" if g.gpus else "the host"
+                    self.say(f"  [dim]…[/dim] {sid:<24} waits for {where} to itself to measure "
                              f"(busy: {', '.join(self.scheduler.blockers(sid))})")
             elif state == "done" and g.phase == "measuring":
                 self.scheduler.end_measure(sid)

@@ -6,13 +6,20 @@
   not from the GPU's free memory at start-up, so other work on the GPU cannot change it): it shares its GPU,
   packed by its `gpu_memory_utilization` share, while its server starts and answers its evaluation, and has
   the GPU to itself only while it measures. Before its warm-up it waits (`wait_to_measure`) until every other
-  stage on its GPU is idle, that is waiting to measure too; while it measures nothing starts on that GPU;
+  stage on its GPU is idle, that is waiting to measure too; from the moment it waits until it has measured
+  nothing starts on that GPU (measuring comes first: otherwise a steady stream of other work could hold it
+  off for the whole run). On a host without GPUs and `jobs` > 1 the host is that one GPU, and the OpenMP threads
+  of every stage but a benchmark sleep while they wait (`Grant.cpu_shared`, OMP_WAIT_POLICY=PASSIVE: torch's
+  threads spinning on cores that another process holds made two calibrations side by side four times slower
+  than one alone on 2 cores; passive, two evaluations side by side take what they take on one thread each, and a
+  stage alone still has every core);
 - quantize and evaluate share GPUs, packed by their pre-flight GPU-memory estimates (their RAM estimate
   where no GPU estimate exists, as on a host whose GPUs are simulated) onto the busiest GPU they fit, so
   that other GPUs stay idle for benchmarks;
 - merge and package use no GPU; every stage counts against the RAM budget; `jobs` caps how many run.
-A benchmark starts on a GPU as soon as it is idle: the runner offers stages in plan order, and the baseline's
-and each artifact's benchmark come before the stages planned after them. One stage always may start when
+A benchmark starts on a GPU as soon as it is idle: the runner offers the quantize stages first (each begins
+the longest chain of stages), then the others in plan order, where the baseline's and each artifact's
+benchmark come before the stages planned after them. One stage always may start when
 nothing runs (pre-flight has already refused a stage that fits no GPU or not in RAM alone).
 
     sched = Scheduler(gpus("0,1"), ram_bytes=64 << 30, jobs=4)
@@ -50,6 +57,7 @@ class Grant:
     phase: str = "busy"  # a shared benchmark: "waiting" (to measure: idle on its GPU) or "measuring"
     gate: str | None = None  # a shared benchmark: the folder its worker and the runner meet in (common/measure_gate.py)
     windows: list = field(default_factory=list)  # [start_s, end_s] of each stretch it measured
+    cpu_shared: bool = False  # on a shared host: the stage's OpenMP threads sleep rather than spin while they wait
 
 
 def gpus(select: str | None = None) -> list[Gpu]:
@@ -101,14 +109,16 @@ class Scheduler:
     jobs: int = 1
     running: dict[str, Grant] = field(default_factory=dict)
 
-    def _users(self, index: str) -> list[Grant]:
-        return [g for g in self.running.values() if index in g.gpus]
+    def _users(self, index: str | None) -> list[Grant]:
+        """The grants on GPU `index`; None: on the host (a host without GPUs is one device to share)."""
+        return [g for g in self.running.values() if index is None or index in g.gpus]
+
+    def _held(self, index: str | None) -> bool:
+        """A benchmark on this GPU (or host) waits to measure or measures: nothing new starts there."""
+        return any(g.phase in ("waiting", "measuring") for g in self._users(index))
 
     def _free_bytes(self, gpu: Gpu) -> int:
         return gpu.total_bytes - sum(g.gpu_bytes for g in self._users(gpu.index))
-
-    def _measured(self, index: str) -> bool:
-        return any(g.phase == "measuring" for g in self._users(index))
 
     def try_start(self, sid: str, kind: str, est: dict | None, n_gpus: int = 1, share: bool = False) -> Grant | None:
         """A grant if `sid` may start now, else None; `share`: a benchmark that may share its GPU outside its
@@ -119,13 +129,16 @@ class Scheduler:
             return None
         if self.running and self.ram_bytes is not None and sum(g.ram_bytes for g in self.running.values()) + ram > self.ram_bytes:
             return None
-        if kind in EXCLUSIVE and not (share and self.gpus and n_gpus == 1):
+        on_host = not self.gpus and self.jobs > 1  # the host shared like one GPU
+        if kind in EXCLUSIVE and not (share and n_gpus == 1 and (self.gpus or on_host)):
             return self._exclusive(sid, ram, n_gpus)
         if any(g.exclusive and not g.gpus for g in self.running.values()):
             return None  # a benchmark on a host without GPUs runs alone
+        if on_host and self._held(None):
+            return None
         if (kind in SHARED or share) and self.gpus:
             need = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0)
-            fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index)) and not self._measured(g.index)
+            fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index)) and not self._held(g.index)
                     and (self._free_bytes(g) >= need or not self._users(g.index))]
             if not fits:
                 return None
@@ -134,7 +147,7 @@ class Scheduler:
             else:  # the busiest GPU it fits
                 gpu = min(fits, key=lambda g: (not self._users(g.index), self._free_bytes(g)))
             return self._grant(sid, Grant([gpu.index], need, ram))
-        return self._grant(sid, Grant([], 0, ram))
+        return self._grant(sid, Grant([], 0, ram, cpu_shared=on_host and kind not in EXCLUSIVE))
 
     def wait_to_measure(self, sid: str) -> None:
         """`sid` (a shared benchmark) is ready to measure: idle on its GPU until `try_measure` lets it."""
@@ -150,7 +163,8 @@ class Scheduler:
     def blockers(self, sid: str) -> list[str]:
         """The stages that keep `sid` from measuring: those on its GPU that are not waiting to measure."""
         g = self.running[sid]
-        return sorted({other for other, u in self.running.items() if u is not g and set(u.gpus) & set(g.gpus) and u.phase != "waiting"})
+        return sorted({other for other, u in self.running.items()
+                       if u is not g and (not self.gpus or set(u.gpus) & set(g.gpus)) and u.phase != "waiting"})
 
     def end_measure(self, sid: str) -> None:
         self.running[sid].phase = "busy"

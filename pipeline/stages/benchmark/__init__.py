@@ -80,9 +80,9 @@ from .offline import offline
 from .workloads import validation_rows, workload_data
 
 log = logging.getLogger(__name__)
-SHARED_NOTE = ("the server started beside other work on its GPU (the engine sets kv_cache_memory_bytes, so the scheduler shares "
-               "the GPU outside measured runs): its start-up phases include that contention; its warm-up and every measured "
-               "run had the GPU to itself (`gate` in each variant: how long it waited for it)")
+SHARED_NOTE = ("the server started beside other work on its GPU (or CPU host; the engine sets kv_cache_memory_bytes, so the "
+               "scheduler shares the device outside measured runs): its start-up phases include that contention; its warm-up "
+               "and every measured run had the device to itself (`gate` in each variant: how long it waited for it)")
 
 
 def _versions() -> dict:
