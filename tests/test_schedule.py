@@ -261,5 +261,5 @@ def test_shared_benchmarks_measure_only_while_nothing_else_works_on_their_device
         m0, m1 = s["measured_s"][0]
         hits = [o for o in busy if o != b for (t0, t1) in busy[o] if overlap(m0, m1, t0, t1)]
         hits += [o for o in benches if o != b if overlap(m0, m1, *benches[o]["measured_s"][0])]
-        assert not hits, f"{b} measured while {hits} worked on its GPU"
+        assert not hits, f"{b} measured while {hits} worked on its device"
     assert "waits for the host to itself to measure" in res.stdout + res.stderr

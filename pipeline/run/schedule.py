@@ -9,10 +9,8 @@
   stage on its GPU is idle, that is waiting to measure too; from the moment it waits until it has measured
   nothing starts on that GPU (measuring comes first: otherwise a steady stream of other work could hold it
   off for the whole run). On a host without GPUs and `jobs` > 1 the host is that one GPU, and the OpenMP threads
-  of every stage but a benchmark sleep while they wait (`Grant.cpu_shared`, OMP_WAIT_POLICY=PASSIVE: torch's
-  threads spinning on cores that another process holds made two calibrations side by side four times slower
-  than one alone on 2 cores; passive, two evaluations side by side take what they take on one thread each, and a
-  stage alone still has every core);
+  of every stage but a benchmark sleep while they wait (`Grant.cpu_shared`, OMP_WAIT_POLICY=PASSIVE; why, and
+  what it measured: docs/architecture.md);
 - quantize and evaluate share GPUs, packed by their pre-flight GPU-memory estimates (their RAM estimate
   where no GPU estimate exists, as on a host whose GPUs are simulated) onto the busiest GPU they fit, so
   that other GPUs stay idle for benchmarks;
