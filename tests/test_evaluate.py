@@ -351,6 +351,40 @@ def test_a_perturbed_model_gives_kl_above_zero_with_a_lower_bound_above_zero_rep
     assert summarize(stats, 500, "documents", "windows of 17 tokens") == f  # fixed seed: the same interval every time
 
 
+def _small_llama(seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_the_baselines_kept_hidden_states_give_the_same_fidelity_as_its_forward_pass(tmp_path):
+    from quantpipe.stages.evaluate.hf import fidelity_full, load_reference, save_reference
+
+    base, art = _small_llama(0), _small_llama(1)
+    seqs = [([1, 5, 9, 13, 2, 40, 7], 1), ([1, 3, 3, 8, 60, 11], 1), ([1, 22, 4], 2)]
+    save_reference(base, seqs, tmp_path / "ref.safetensors")
+    hidden = load_reference(tmp_path / "ref.safetensors", seqs)
+    assert hidden is not None and [h.shape[1] for h in hidden] == [7, 6, 3]
+    kept, forward = fidelity_full(base, art, seqs, hidden), fidelity_full(base, art, seqs)
+    assert kept == forward and all(w["kl"] > 0 for w in kept)
+    assert load_reference(tmp_path / "ref.safetensors", seqs[:2]) is None  # other sequences: the stage runs the baseline itself
+    assert load_reference(tmp_path / "missing.safetensors", seqs) is None
+
+
+def test_a_model_whose_logits_are_not_its_output_layers_keeps_no_hidden_states(tmp_path):
+    from quantpipe.stages.evaluate.hf import save_reference
+
+    base = _small_llama(0)
+    forward = base.forward
+    base.forward = lambda *a, **k: (lambda o: o.__setitem__("logits", o.logits.tanh()) or o)(forward(*a, **k))  # soft-capped logits
+    save_reference(base, [([1, 5, 9], 1)], tmp_path / "ref.safetensors")
+    assert not (tmp_path / "ref.safetensors").exists()
+
+
 def test_windows_not_tokens_are_resampled():
     """Two windows, one all-agreeing and one all-disagreeing: resampling windows gives an interval across [0, 1];
     resampling the 32 tokens as if independent would give about 0.5 +- 0.17."""
@@ -615,6 +649,15 @@ def test_fidelity_on_held_out_documents_with_intervals_over_windows(fidelity_rec
     assert f["ppl"] != f["ppl_baseline"] and f["ppl_ratio"] == pytest.approx(f["ppl"] / f["ppl_baseline"])
     assert f["ppl_ratio_ci95"][0] <= f["ppl_ratio"] <= f["ppl_ratio_ci95"][1] and f["ppl_ci95"][0] <= f["ppl"] <= f["ppl_ci95"][1]
     assert json.loads((tmp_path / "w2" / "evaluation.json").read_text())["fidelity"] == f
+    assert (tmp_path / "base" / "fidelity_hidden.safetensors").is_file() and f["baseline_logits"].startswith("from the baseline stage")
+    # without the baseline's kept hidden states the stage runs the baseline's forward pass: the same figures
+    bare = tmp_path / "base-bare"
+    bare.mkdir()
+    for name in ("evaluation.json", "per_example.json"):
+        (bare / name).write_text((tmp_path / "base" / name).read_text())
+    again = _stage(fidelity_recipe, damaged_model, tmp_path / "w2-again", artifact="w2", method="rtn", baseline_model=tiny.llama, baseline_eval=bare)
+    assert {**again["fidelity"], "baseline_logits": None} == {**f, "baseline_logits": None}
+    assert again["fidelity"]["baseline_logits"] == "baseline forward pass"
     # a gate just above the estimate passes the estimate but not the interval's upper bound
     assert check_gates(Gates(max_kl=f["kl_mean"] * 1.001), m) == [
         f"kl_mean {f['kl_mean']:.4g} (95% CI {f['kl_mean_ci95'][0]:.4g}-{f['kl_mean_ci95'][1]:.4g}, {n_windows} windows): "

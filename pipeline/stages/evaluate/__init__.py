@@ -20,7 +20,8 @@ lm_eval_samples/<task>.jsonl (written by lm-eval's own EvaluationTracker, as `lm
 Backends (`inp.backend`, which the runner decides from `evaluation.lm_eval.backend`; `auto` is vllm
 where a CUDA GPU is present, else hf):
 - `hf` (hf.py): lm-eval's hf model; validation and fidelity through transformers, which reads every
-  artifact (it decompresses compressed-tensors); the artifact's stage loads the baseline model for the full KL.
+  artifact (it decompresses compressed-tensors); the artifact's stage loads the baseline model for the full KL,
+  and the baseline's output layer's inputs that the baseline's stage kept (`fidelity_hidden.safetensors`).
   Models load in the settings' `dtype`: `base.dtype`, or float32 on a CPU without fast kernels for it
   (common/compute.py), for the baseline and every artifact alike.
 - `vllm` (vllm.py): the stage runs in the serve environment and evaluates through vLLM's OpenAI-compatible
@@ -122,7 +123,7 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream],
     else:
         from .hf import run_hf
 
-        lm_metrics, validation, fidelity = run_hf(inp, src, out, tok, rows, settings, baseline_model, scores, timings)
+        lm_metrics, validation, fidelity = run_hf(inp, src, out, tok, rows, settings, baseline_model, baseline_eval, scores, timings)
 
     comparison = compare_all(base, scores, lm_metrics, validation, inp.bootstrap_samples) if is_artifact else None
     (out / "per_example.json").write_text(json.dumps(scores.to_json()))

@@ -1,9 +1,13 @@
 """The hf backend: lm-eval's hf model, then greedy validation and full-vocabulary fidelity through transformers.
 
 transformers reads every artifact (it decompresses compressed-tensors), so this backend evaluates any
-scheme on any machine. For an artifact, the baseline model is loaded next to it and both score the same
-tokens (the fidelity documents' windows, else the validation references; see fidelity.py): KL over the
-whole vocabulary, top-1 agreement, perplexity, each with a 95% interval by a bootstrap over sequences.
+scheme on any machine. For an artifact, the baseline and the artifact score the same tokens (the fidelity
+documents' windows, else the validation references; see fidelity.py): KL over the whole vocabulary, top-1
+agreement, perplexity, each with a 95% interval by a bootstrap over sequences. The baseline's stage keeps
+the input of its output layer for those tokens (`fidelity_hidden.safetensors`), so an artifact's stage
+computes the baseline's logits with that one layer instead of the whole model's forward pass; a model
+whose logits are not that layer's output (e.g. with logit soft-capping) keeps no such file, and an
+artifact's stage then runs the baseline's forward pass itself.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: dict, baseline_model: Path | None,
-           scores: Scores, timings: dict) -> tuple[dict | None, dict | None, dict | None]:
-    """(lm-eval metrics, validation, fidelity) of the model in `src`; fidelity only for an artifact (`baseline_model` given)."""
+           baseline_eval: Path | None, scores: Scores, timings: dict) -> tuple[dict | None, dict | None, dict | None]:
+    """(lm-eval metrics, validation, fidelity) of the model in `src`; fidelity only for an artifact (`baseline_model` given),
+    the baseline keeps the hidden states its artifacts' fidelity needs."""
     lm_metrics = validation = fidelity = None
     if inp.lm_eval:
         t0 = time.perf_counter()
@@ -33,7 +38,7 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         free()  # lm-eval's model copy, before the next one loads
         log.info("%s: lm-eval %s in %.1fs", inp.artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
     fidelity_seqs = None
-    if baseline_model is not None and (inp.fidelity is not None or rows is not None):
+    if inp.fidelity is not None or rows is not None:
         fidelity_seqs = sequences(inp, tok, rows, settings["add_bos"])  # before any model loads: a short text fails fast
     if rows is None and fidelity_seqs is None:
         return lm_metrics, validation, fidelity
@@ -44,12 +49,18 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         validation = score_validation(rows, texts, inp.validation, out, scores)
         timings["validation_s"] = round(time.perf_counter() - t0, 2)
         log.info("%s: validation %s", inp.artifact, json.dumps(validation))
-    if fidelity_seqs is not None:
+    if fidelity_seqs and baseline_model is None:
+        t0 = time.perf_counter()
+        save_reference(model, fidelity_seqs, out / REFERENCE)
+        timings["fidelity_reference_s"] = round(time.perf_counter() - t0, 2)
+    elif fidelity_seqs is not None:
         t0 = time.perf_counter()
         ref_model = load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
-        fidelity = summarize(fidelity_full(ref_model, model, fidelity_seqs), inp.bootstrap_samples, *source(inp))
+        hidden = load_reference(Path(baseline_eval) / REFERENCE, fidelity_seqs) if baseline_eval else None
+        fidelity = summarize(fidelity_full(ref_model, model, fidelity_seqs, hidden), inp.bootstrap_samples, *source(inp))
         if fidelity is not None:
             fidelity["kl_support"] = "full vocabulary"
+            fidelity["baseline_logits"] = "from the baseline stage's hidden states" if hidden else "baseline forward pass"
         timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
         del ref_model
         log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
@@ -104,19 +115,68 @@ def generate(model, tok, rows: list[dict], cfg, settings: dict) -> list[str]:
     return texts
 
 
-def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]]) -> list[dict]:
+def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: list | None = None) -> list[dict]:
     """Per sequence (ids, first scored position): the sums of KL(baseline || artifact) over the whole vocabulary, top-1
-    agreements and negative log-likelihoods of the scored tokens, with their count (fidelity.summarize takes them)."""
+    agreements and negative log-likelihoods of the scored tokens, with their count (fidelity.summarize takes them).
+    `hidden`: per sequence, the input of the baseline's output layer (load_reference); None runs the baseline's forward pass."""
     import torch
 
     out = []
     with torch.inference_mode():
-        for ids, start in seqs:
+        for i, (ids, start) in enumerate(seqs):
             x = torch.tensor([ids], device=model.device)
             sl = slice(start - 1, len(ids) - 1)  # positions that predict the scored tokens
-            lb = torch.log_softmax(ref_model(x).logits[0, sl].float(), dim=-1)
+            ref_logits = ref_model(x).logits if hidden is None else ref_model.get_output_embeddings()(hidden[i].to(model.device))
+            lb = torch.log_softmax(ref_logits[0, sl].float(), dim=-1)
             la = torch.log_softmax(model(x).logits[0, sl].float(), dim=-1)
             target = torch.tensor(ids[start:], device=model.device)[:, None]
             out.append({"kl": float((lb.exp() * (lb - la)).sum(dim=-1).clamp_min(0).sum()), "agree": int((lb.argmax(-1) == la.argmax(-1)).sum()),
                         "nll": -float(la.gather(1, target).sum()), "nll_baseline": -float(lb.gather(1, target).sum()), "n": len(ids) - start})
     return out
+
+
+REFERENCE = "fidelity_hidden.safetensors"
+
+
+def _seqs_digest(seqs: list[tuple[list[int], int]]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(seqs).encode()).hexdigest()
+
+
+def save_reference(model, seqs: list[tuple[list[int], int]], path: Path) -> None:
+    """Keep, per sequence, the input of the model's output layer, when that layer alone gives the model's logits (checked
+    on the first sequence, bit for bit); an artifact's stage then needs no forward pass of the baseline."""
+    import torch
+    from safetensors.torch import save_file
+
+    head = model.get_output_embeddings()
+    if head is None:
+        return
+    captured: list = []
+    hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach().clone()))
+    tensors = {}
+    try:
+        with torch.inference_mode():
+            for i, (ids, _) in enumerate(seqs):
+                logits = model(torch.tensor([ids], device=model.device)).logits
+                h = captured.pop()
+                if i == 0 and not torch.equal(head(h), logits):
+                    log.info("the baseline's logits are not its output layer's alone: artifacts run the baseline's forward pass")
+                    return
+                tensors[str(i)] = h.cpu().contiguous()
+    finally:
+        hook.remove()
+    save_file(tensors, str(path), metadata={"sequences_sha256": _seqs_digest(seqs)})
+
+
+def load_reference(path: Path, seqs: list[tuple[list[int], int]]) -> list | None:
+    """The baseline's hidden states for `seqs` (save_reference), or None when it kept none for exactly these sequences."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as f:
+        if (f.metadata() or {}).get("sequences_sha256") != _seqs_digest(seqs) or len(f.keys()) != len(seqs):
+            return None
+        return [f.get_tensor(str(i)).clone() for i in range(len(seqs))]  # a fresh, aligned copy: the matmul then rounds as on the original
