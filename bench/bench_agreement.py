@@ -2,7 +2,8 @@
 """The benchmark stage's served figures against a bare `vllm bench serve`, paired round by round on one server.
 
 Each round runs the same workload twice against one `vllm serve`: (a) the benchmark stage's `measure` (its runs
-through stages/benchmark/client.py: forked from one client process on a CUDA host, or with `--fork yes`) and (b) a fresh `vllm bench serve` process with
+through stages/benchmark/client.py: forked from one client process on a CUDA host, or with `--fork yes`; elsewhere
+from a process of its own that imported vLLM before `measure` began, as the stage's first run does) and (b) a fresh `vllm bench serve` process with
 hand-written arguments, alternating which goes first so that drift hits both alike. Prints every round and, per
 figure (output throughput, mean TTFT, mean TPOT), quantpipe / direct - 1: the mean of the rounds' log-ratios with its
 95 % t-interval (over rounds, so it holds the run-to-run spread), and the verdict against ±5 %: agree (every
@@ -104,6 +105,8 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
                          if qa.get(k) != da.get(k) and k != "request_id_prefix"}, "quantpipe": [], "direct": []}
     with BenchClient(out / "client.log", fork={"auto": None, "yes": True, "no": False}[a.fork]) as client:
         def quantpipe_run(i: int) -> None:
+            client.start()  # as the stage does before its server starts: the run's process has imported vLLM already
+            client.ready()
             rows, _ = measure(srv, bench, f"qp{i}", list(bench.workloads), {}, tokenizer, out, client=client)
             res["quantpipe"].append(rows[0])
 

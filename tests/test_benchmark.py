@@ -484,15 +484,20 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
 
 
 @pytest.mark.slow
-def test_a_client_started_early_serves_the_first_run_from_the_same_process(tmp_path):
-    """The benchmark starts its `vllm bench serve` client before the server, so that on a CUDA host the client's
-    vLLM imports overlap the server's start: the first run must come from that process, not a new one."""
-    r = subprocess.run([str(_serve_python()), str(HELPERS / "bench_client_early.py"), str(tmp_path)],
+@pytest.mark.parametrize("fork", ["yes", "no"])
+def test_a_client_started_early_serves_the_first_run_from_the_same_process(tmp_path, fork):
+    """The benchmark starts its `vllm bench serve` client before the server, so that its vLLM imports overlap the
+    server's start: the first run must come from that process. Forked (CUDA hosts) the second run forks from it too;
+    otherwise each run is a process of its own, so the second comes from a new one."""
+    r = subprocess.run([str(_serve_python()), str(HELPERS / "bench_client_early.py"), str(tmp_path), fork],
                        env=_env(tmp_path), timeout=300, check=True, capture_output=True, text=True)
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    assert got["rc"] == 0, got["log"]
-    assert got["pid_first_run"] == got["pid_started"]
+    assert got["rc"] == [0, 0], got["log"]
     assert "usage: vllm bench serve" in got["log"]  # the run was vLLM's own `bench serve` parser
+    if fork == "yes":
+        assert got["pids"][0] != got["pid_started"] and got["pids"][1] not in (got["pids"][0], got["pid_started"])  # forked children
+    else:
+        assert got["pids"][0] == got["pid_started"] and got["pids"][1] != got["pid_started"]
 
 
 def test_the_agreement_verdict_needs_every_interval_inside_the_bound():

@@ -1,17 +1,23 @@
-"""`vllm bench serve` runs from one client process that imported vLLM's CLI once.
+"""`vllm bench serve` runs from client processes that import vLLM's CLI before the measuring begins.
 
-A fresh `vllm bench serve` process spends 15-35 s importing vLLM before its first request, once per sweep point.
-The client process imports the CLI once; each run is then a child forked from it that calls the CLI's own `main()`
+A fresh `vllm bench serve` process spends 8-35 s importing vLLM before its first request, once per sweep point.
+Where runs fork (`fork_here`: CUDA hosts, where the forked runs were measured to agree with fresh ones), one
+client process imports the CLI once; each run is then a child forked from it that calls the CLI's own `main()`
 with the run's arguments, its output going to the run's log. The child is the CLI from argument parsing on (same
 parser, same request loop, same result file), a process of its own as a fresh CLI is; only the imports are shared.
-Forked runs are used where they were measured to agree with fresh ones (`fork_here`: CUDA hosts);
-bench/bench_agreement.py measures that, and tests/test_benchmark.py runs it.
+Elsewhere each run is a process of its own (`--once`): it imports the CLI, says it is ready, takes one run and
+exits, so it is a fresh `vllm bench serve` whose imports may happen earlier. The stage starts the first one
+beside the server's start (`start()`), so that its imports are not part of the stretch in which nothing else
+may run; later ones start when their run does, as a fresh CLI would. bench/bench_agreement.py measures both
+kinds against fresh `vllm bench serve` processes, and tests/test_benchmark.py runs it.
 
     with BenchClient(out / "logs" / "bench-client.log") as client:
+        client.start()  # optional: the first run's imports now
         client.run(["--host", "127.0.0.1", "--port", "8000", ...], out / "logs" / "bench-fixed-c4.log")  # exit code
 
 Run as a program (in the serve environment) it is the client itself: one JSON request per line on stdin
-({"args": [...], "log": path}), one {"rc": N} per line on stdout.
+({"args": [...], "log": path}), one {"rc": N} per line on stdout; with `--once`, first a {"ready": true} line,
+then one request.
 """
 
 from __future__ import annotations
@@ -56,13 +62,14 @@ def fork_here() -> bool:
 
 
 class BenchClient:
-    """The client process, started on the first run; `close()` (or leaving the `with` block) ends it. With `fork`
-    False (default: not `fork_here()`) every run is a fresh `vllm bench serve` process instead."""
+    """The client process, started on the first run or by `start()`; `close()` (or leaving the `with` block) ends it.
+    With `fork` False (default: not `fork_here()`) every run is a process of its own (`--once`)."""
 
     def __init__(self, log_path: Path, fork: bool | None = None):
         self.log_path = Path(log_path)
         self.fork = fork
         self._proc: subprocess.Popen | None = None
+        self._ready = False  # the `--once` process has said it imported the CLI
 
     def __enter__(self) -> BenchClient:
         return self
@@ -71,41 +78,62 @@ class BenchClient:
         self.close()
 
     def start(self) -> None:
-        """Start the client now where runs fork from it, so that its imports (~25 s for vLLM on an H200 host) overlap
-        the server's start instead of preceding the first run; elsewhere nothing to do."""
+        """Start the client (or, where runs do not fork, the first run's process) now, so that its imports (~25 s for
+        vLLM on an H200 host, ~8 s on a 2-core CPU) overlap the server's start instead of preceding the first run."""
         if self.fork is None:
             self.fork = fork_here()
-        if self.fork and not (self._proc and self._proc.poll() is None):
+        if not (self._proc and self._proc.poll() is None):
             self._start()
 
     def _start(self) -> subprocess.Popen:
         from ...server import _set_pdeathsig
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._ready = False
         with open(self.log_path, "a") as logf:
-            self._proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=logf, text=True, preexec_fn=_set_pdeathsig)
+            self._proc = subprocess.Popen([sys.executable, __file__, *(() if self.fork else ("--once",))], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=logf, text=True, preexec_fn=_set_pdeathsig)
         return self._proc
+
+    def ready(self) -> None:
+        """Wait until the next run's process has imported the CLI (a process of its own: `--once`)."""
+        if self.fork is None:
+            self.fork = fork_here()
+        p = self._proc if self._proc and self._proc.poll() is None else self._start()
+        if not self.fork and not self._ready:
+            self._reply(p, "ready")
+            self._ready = True
 
     def run(self, args: list[str], log_path: Path) -> int:
         """`vllm bench serve ARGS` with its output in `log_path`; its exit code. Ctrl-C or SIGTERM ends the run too."""
-        if self.fork is None:
-            self.fork = fork_here()
-        if not self.fork:
-            return run_logged([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], log_path)
-        p = self._proc if self._proc and self._proc.poll() is None else self._start()
+        self.ready()
+        p = self._proc
         log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             p.stdin.write(json.dumps({"args": args, "log": str(log_path)}) + "\n")
             p.stdin.flush()
-            line = p.stdout.readline()
         except BaseException:
             self.close()  # the client's children die with it (PR_SET_PDEATHSIG)
+            raise
+        rc = int(self._reply(p, "rc"))
+        if not self.fork:  # one run per process: the next run starts a fresh one
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            self.close()
+        return rc
+
+    def _reply(self, p: subprocess.Popen, key: str):
+        try:
+            line = p.stdout.readline()
+        except BaseException:
+            self.close()
             raise
         if not line:
             self.close()
             raise RuntimeError(f"the vllm bench serve client exited (code {p.poll()}); its output is in {self.log_path}")
-        return int(json.loads(line)["rc"])
+        return json.loads(line)[key]
 
     def close(self) -> None:
         p, self._proc = self._proc, None
@@ -118,8 +146,8 @@ class BenchClient:
             f.close()
 
 
-def _serve_requests() -> None:
-    """The client's loop (see the module docstring)."""
+def _serve_requests(once: bool) -> None:
+    """The client's loop, or with `once` a single run in this process (see the module docstring)."""
     import ctypes
     import importlib
     import signal
@@ -142,11 +170,14 @@ def _serve_requests() -> None:
         except ImportError:
             pass
 
+    if once:
+        proto.write(json.dumps({"ready": True}) + "\n")
+        proto.flush()
     for line in sys.stdin:
         req = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        pid = 0 if once else os.fork()
         if pid == 0:
             code = 1
             try:
@@ -154,7 +185,7 @@ def _serve_requests() -> None:
                 fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                print("$ vllm bench serve " + " ".join(req["args"]), flush=True)
+                print(f"$ vllm bench serve {' '.join(req['args'])}  # process {os.getpid()}", flush=True)
                 sys.argv = ["vllm", "bench", "serve", *req["args"]]
                 cli.main()
                 code = 0
@@ -165,6 +196,9 @@ def _serve_requests() -> None:
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
+                if once:
+                    proto.write(json.dumps({"rc": code}) + "\n")
+                    proto.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
         proto.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
@@ -173,4 +207,4 @@ def _serve_requests() -> None:
 
 if __name__ == "__main__":
     sys.path.pop(0)  # this file's folder: its modules (engine, stats, ...) must not shadow vLLM's imports
-    _serve_requests()
+    _serve_requests(once="--once" in sys.argv[1:])
