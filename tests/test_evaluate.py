@@ -666,6 +666,18 @@ def test_fidelity_on_held_out_documents_with_intervals_over_windows(fidelity_rec
 
 
 @pytest.mark.slow
+def test_validation_rows_without_references_give_no_fidelity_and_no_kept_hidden_states(recipe, tiny, tmp_path):
+    """json_valid rows need no reference: nothing to score fidelity on, for the baseline or an artifact."""
+    (tmp_path / "v.jsonl").write_text("".join(json.dumps({"prompt": f"JSON for {i}:", "metric": "json_valid"}) + "\n" for i in range(4)))
+    v = recipe.evaluation.validation.model_copy(update={"path": str(tmp_path / "v.jsonl"), "metric": "json_valid"})
+    r = recipe.model_copy(update={"evaluation": recipe.evaluation.model_copy(update={"lm_eval": None, "validation": v})})
+    b = _stage(r, tiny.llama, tmp_path / "base")
+    assert b["validation"]["n"] == 4 and b["fidelity"] is None and not (tmp_path / "base" / "fidelity_hidden.safetensors").exists()
+    m = _stage(r, tiny.llama, tmp_path / "self", artifact="self", method="none", baseline_model=tiny.llama, baseline_eval=tmp_path / "base")
+    assert m["validation"]["n"] == 4 and m["fidelity"] is None
+
+
+@pytest.mark.slow
 def test_artifact_with_other_settings_is_refused(recipe, baseline, tiny, tmp_path):
     """A baseline scored with another BOS rule (or seed, chat template...) cannot be compared against."""
     out_b, _ = baseline

@@ -49,10 +49,11 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         validation = score_validation(rows, texts, inp.validation, out, scores)
         timings["validation_s"] = round(time.perf_counter() - t0, 2)
         log.info("%s: validation %s", inp.artifact, json.dumps(validation))
-    if fidelity_seqs and baseline_model is None:
-        t0 = time.perf_counter()
-        save_reference(model, fidelity_seqs, out / REFERENCE)
-        timings["fidelity_reference_s"] = round(time.perf_counter() - t0, 2)
+    if baseline_model is None:  # the baseline: keep what its artifacts' fidelity needs
+        if fidelity_seqs:
+            t0 = time.perf_counter()
+            save_reference(model, fidelity_seqs, out / REFERENCE)
+            timings["fidelity_reference_s"] = round(time.perf_counter() - t0, 2)
     elif fidelity_seqs is not None:
         t0 = time.perf_counter()
         ref_model = load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
