@@ -105,8 +105,7 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
                          if qa.get(k) != da.get(k) and k != "request_id_prefix"}, "quantpipe": [], "direct": []}
     with BenchClient(out / "client.log", fork={"auto": None, "yes": True, "no": False}[a.fork]) as client:
         def quantpipe_run(i: int) -> None:
-            client.start()  # as the stage does before its server starts: the run's process has imported vLLM already
-            client.ready()
+            client.ready()  # as the stage's first run: its process has imported vLLM before `measure` begins
             rows, _ = measure(srv, bench, f"qp{i}", list(bench.workloads), {}, tokenizer, out, client=client)
             res["quantpipe"].append(rows[0])
 

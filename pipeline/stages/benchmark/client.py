@@ -96,12 +96,10 @@ class BenchClient:
         return self._proc
 
     def ready(self) -> None:
-        """Wait until the next run's process has imported the CLI (a process of its own: `--once`)."""
-        if self.fork is None:
-            self.fork = fork_here()
-        p = self._proc if self._proc and self._proc.poll() is None else self._start()
+        """Start the next run's process if none is waiting, and wait until it has imported the CLI (`--once`)."""
+        self.start()
         if not self.fork and not self._ready:
-            self._reply(p, "ready")
+            self._reply(self._proc, "ready")
             self._ready = True
 
     def run(self, args: list[str], log_path: Path) -> int:

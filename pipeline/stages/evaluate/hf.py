@@ -17,6 +17,7 @@ import logging
 import time
 from pathlib import Path
 
+from ...cache import hash_json
 from .. import StageError
 from .compare import Scores
 from .fidelity import sequences, source, summarize
@@ -139,12 +140,6 @@ def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: l
 REFERENCE = "fidelity_hidden.safetensors"
 
 
-def _seqs_digest(seqs: list[tuple[list[int], int]]) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(seqs).encode()).hexdigest()
-
-
 def save_reference(model, seqs: list[tuple[list[int], int]], path: Path) -> None:
     """Keep, per sequence, the input of the model's output layer, when that layer alone gives the model's logits (checked
     on the first sequence, bit for bit); an artifact's stage then needs no forward pass of the baseline."""
@@ -168,7 +163,7 @@ def save_reference(model, seqs: list[tuple[list[int], int]], path: Path) -> None
                 tensors[str(i)] = h.cpu().contiguous()
     finally:
         hook.remove()
-    save_file(tensors, str(path), metadata={"sequences_sha256": _seqs_digest(seqs)})
+    save_file(tensors, str(path), metadata={"sequences_sha256": hash_json(seqs)})
 
 
 def load_reference(path: Path, seqs: list[tuple[list[int], int]]) -> list | None:
@@ -178,6 +173,6 @@ def load_reference(path: Path, seqs: list[tuple[list[int], int]]) -> list | None
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        if (f.metadata() or {}).get("sequences_sha256") != _seqs_digest(seqs) or len(f.keys()) != len(seqs):
+        if (f.metadata() or {}).get("sequences_sha256") != hash_json(seqs) or len(f.keys()) != len(seqs):
             return None
         return [f.get_tensor(str(i)).clone() for i in range(len(seqs))]  # a fresh, aligned copy: the matmul then rounds as on the original
