@@ -451,6 +451,7 @@ ROUNDS, MAX_ROUNDS = 4, 10  # 44-64 s each on a 2-core CPU; docs/BENCHMARKS.md's
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_path):
     """Same server, same workload: quantpipe's throughput, TTFT and TPOT are vLLM's own, within 5 %.
     bench/bench_agreement.py pairs, over 4 to 10 rounds (a round at a time after 4, until the verdict resolves), a

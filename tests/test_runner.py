@@ -224,6 +224,7 @@ def test_rerun_is_all_cache_hits_and_corruption_is_rebuilt(tiny, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_vllm_backend_evaluates_through_the_benchmark_server_one_start_per_model(tiny, tmp_path):
     """Backend vllm with a benchmark: each model's evaluation and benchmark are one job with one `vllm serve` start, the
     evaluation answered before the warm-up and sweep, and committed then (what reads it may start while the sweep runs).

@@ -163,6 +163,7 @@ def test_simulated_gpus_and_gpu_selection(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_path):
     """The tiny recipe (merge, two artifacts, evaluation, three benchmarks, packages) run with QUANTPIPE_GPUS=2 and
     --jobs 4 as a user runs it: every stage ok, each started after what it reads, stages shared a GPU at once,
@@ -215,6 +216,7 @@ def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_shared_benchmarks_measure_only_while_nothing_else_works_on_their_device(tiny, tmp_path):
     """The tiny recipe with kv_cache_memory_bytes set, on this host without GPUs and two jobs (the host shared like
     one GPU): the benchmarks start beside the other stages, and every measured stretch (as the runner granted it)
