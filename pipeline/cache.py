@@ -201,8 +201,12 @@ class StageCache:
             shutil.rmtree(trash, ignore_errors=True)
 
     def sweep(self) -> None:
-        """Remove what runs that died (their pid is gone) left: working folders, and replaced or
-        discarded entries they were deleting when killed."""
+        """Remove what runs that died (their pid is gone) left: working folders, replaced or discarded entries
+        they were deleting when killed, and the folders in which their shared benchmarks met the runner."""
+        for p in (self.root / "tmp").glob("measure-gate-*"):
+            pid = p.name.split("-")[2]
+            if pid.isdigit() and p.is_dir() and not _alive(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
         stages = self.root / "stages"
         if not stages.exists():
             return

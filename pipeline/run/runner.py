@@ -13,6 +13,7 @@ writes `<output_dir>/runs/<run_id>/` (run.json, run.log, logs/, report.*) and pu
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import re
 import shutil
@@ -252,7 +253,7 @@ class Runner:
                     if grant is None:
                         continue
                     if share and not grant.exclusive:
-                        grant.gate = tempfile.mkdtemp(prefix="measure-gate-", dir=self.procs.tmpdir)
+                        grant.gate = tempfile.mkdtemp(prefix=f"measure-gate-{os.getpid()}-", dir=self.procs.tmpdir)  # cache.sweep() knows the pid
                     for x in job:
                         pending.remove(x)
                     threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
