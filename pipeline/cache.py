@@ -201,22 +201,18 @@ class StageCache:
             shutil.rmtree(trash, ignore_errors=True)
 
     def sweep(self) -> None:
-        """Remove what runs that died (their pid is gone) left: working folders, replaced or discarded entries
-        they were deleting when killed, and the folders in which their shared benchmarks met the runner."""
-        for p in (self.root / "tmp").glob("measure-gate-*"):
-            pid = p.name.split("-")[2]
-            if pid.isdigit() and p.is_dir() and not _alive(int(pid)):
-                shutil.rmtree(p, ignore_errors=True)
+        """Remove what runs that died (their pid is gone) left: working folders, and replaced or
+        discarded entries they were deleting when killed."""
         stages = self.root / "stages"
         if not stages.exists():
             return
         for p in stages.glob("**/.*"):
             m = _LEFTOVER.search(p.name)
-            if m and p.is_dir() and not _alive(int(m.group(1))):
+            if m and p.is_dir() and not alive(int(m.group(1))):
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from quantpipe.common import measure_gate
 from quantpipe.run.schedule import GIB, Gpu, Scheduler, default_jobs, gpus
 
 
@@ -265,3 +268,18 @@ def test_shared_benchmarks_measure_only_while_nothing_else_works_on_their_device
         hits += [o for o in benches if o != b if overlap(m0, m1, *benches[o]["measured_s"][0])]
         assert not hits, f"{b} measured while {hits} worked on its device"
     assert "waits for the host to itself to measure" in res.stdout + res.stderr
+
+
+def test_the_measure_gates_of_dead_runners_are_swept_and_a_live_ones_kept(tmp_path):
+    """A runner killed while a shared benchmark measured leaves its gate folder in <cache>/tmp; the next run's sweep
+    removes it, and keeps the folder of a runner that is alive."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gone = tmp_path / f"{measure_gate.PREFIX}{dead.pid}-ab12"
+    gone.mkdir()
+    (gone / "want-1").touch()
+    kept = Path(measure_gate.new_folder(tmp_path))
+    (kept / "want-1").touch()
+    measure_gate.sweep(tmp_path)
+    assert not gone.exists() and (kept / "want-1").exists()
+    assert kept.name.startswith(f"{measure_gate.PREFIX}{os.getpid()}-")

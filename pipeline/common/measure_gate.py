@@ -9,17 +9,23 @@ creates `done-N`. Without the variable (a GPU of its own, a host without GPUs, a
     with measuring() as gate:      # stage side
         ...                        # gate["waited_s"]: how long it waited for the GPU
     n, state = latest(folder)      # runner side: (0, "") | (N, "want" | "go" | "done")
+
+The runner names each folder with its pid (`new_folder`), so that the next run removes those of a runner that died
+(`sweep`).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 ENV = "QUANTPIPE_MEASURE_GATE"
+PREFIX = "measure-gate-"
 _requests = itertools.count(1)
 
 
@@ -52,3 +58,18 @@ def latest(folder: str | Path) -> tuple[int, str]:
 
 def grant(folder: str | Path, n: int) -> None:
     (Path(folder) / f"go-{n}").touch()
+
+
+def new_folder(tmpdir: str | Path) -> str:
+    """A folder in `tmpdir` for one shared benchmark and this runner."""
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=tmpdir)
+
+
+def sweep(tmpdir: str | Path) -> None:
+    """Remove the folders in `tmpdir` of runners that died (their pid is gone)."""
+    from ..cache import alive
+
+    for p in Path(tmpdir).glob(f"{PREFIX}*"):
+        pid = p.name[len(PREFIX):].split("-")[0]
+        if pid.isdigit() and p.is_dir() and not alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)

@@ -13,12 +13,10 @@ writes `<output_dir>/runs/<run_id>/` (run.json, run.log, logs/, report.*) and pu
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import re
 import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -139,6 +137,7 @@ class Runner:
     def _run_locked(self, base_dir: str, steps: list[Step], force: set[str]) -> int:
         t_start = time.time()
         self.cache.sweep()
+        measure_gate.sweep(self.procs.tmpdir)
         run_dir = self.run_dir = new_run_dir(self.out_dir / "runs", t_start)
         run_id = run_dir.name
         handler = logging.FileHandler(run_dir / "run.log")
@@ -253,7 +252,7 @@ class Runner:
                     if grant is None:
                         continue
                     if share and not grant.exclusive:
-                        grant.gate = tempfile.mkdtemp(prefix=f"measure-gate-{os.getpid()}-", dir=self.procs.tmpdir)  # cache.sweep() knows the pid
+                        grant.gate = measure_gate.new_folder(self.procs.tmpdir)
                     for x in job:
                         pending.remove(x)
                     threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
