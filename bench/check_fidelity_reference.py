@@ -6,7 +6,9 @@ with the baseline's whole forward pass, on this host's device; equal or not, the
 took. Also whether the baseline stage kept hidden states at all (it keeps none when its output layer alone does not give
 its logits bit for bit, and its artifacts then run the forward pass).
 
-    python bench/check_fidelity_reference.py CACHE --documents heldout.jsonl --seq-len 128 --max-tokens 2048 [--json OUT]
+    python bench/check_fidelity_reference.py CACHE --documents heldout.jsonl [--json OUT]
+
+The windows' length and the token budget are the ones the baseline's evaluation recorded.
 """
 from __future__ import annotations
 
@@ -28,8 +30,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("cache", type=Path, help="the run's stage cache (QUANTPIPE_CACHE)")
     p.add_argument("--documents", required=True, help="the recipe's evaluation.fidelity.path")
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--max-tokens", type=int, required=True)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
 
@@ -45,7 +45,8 @@ def main() -> None:
     device, dtype = settings["device"], settings["dtype"]
     base_model = one("merge/*/out", stages)
     tok = AutoTokenizer.from_pretrained(str(base_model))
-    seqs = document_windows(tok, load_documents(a.documents), settings["add_bos"], a.seq_len, a.max_tokens)
+    f = settings["fidelity"]
+    seqs = document_windows(tok, load_documents(a.documents), settings["add_bos"], f["seq_len"], f["max_tokens"])
     hidden = load_reference(base_eval / REFERENCE, seqs)
     result = {"device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "dtype": dtype,
               "torch": torch.__version__, "windows": len(seqs), "kept_hidden_states": hidden is not None, "artifacts": {}}
@@ -58,9 +59,7 @@ def main() -> None:
         model = load_model(one("*/out", stages / "quantize" / d.name), dtype, False, device)
         row: dict = {"stage_kl_mean": stage_fidelity["kl_mean"], "stage_baseline_logits": stage_fidelity.get("baseline_logits")}
         runs = {}
-        for how, h in (("kept", hidden), ("forward", None)):
-            if how == "kept" and h is None:
-                continue
+        for how, h in ([("kept", hidden)] if hidden is not None else []) + [("forward", None)]:
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
