@@ -59,7 +59,8 @@ class Runner:
         self.hasher = ContentHasher(cache_root(recipe) / "hashes.json")
         self.out_dir = Path(recipe.output_dir)
         self.secret_values = secrets()
-        self.procs = Processes(self.cache.root / "tmp", self.secret_values, verbose)
+        self.tmpdir = self.cache.root / "tmp"  # working folders of this runner and its stages (the cache's own)
+        self.procs = Processes(self.tmpdir, self.secret_values, verbose)
         self.preflight_problems: list[str] = []  # what pre-flight would refuse (dry run)
         self.estimates: dict = {}  # stage id -> pre-flight estimate
         self.available: dict | None = None  # what pre-flight compared the estimates with
@@ -137,7 +138,7 @@ class Runner:
     def _run_locked(self, base_dir: str, steps: list[Step], force: set[str]) -> int:
         t_start = time.time()
         self.cache.sweep()
-        measure_gate.sweep(self.procs.tmpdir)
+        measure_gate.sweep(self.tmpdir)
         run_dir = self.run_dir = new_run_dir(self.out_dir / "runs", t_start)
         run_id = run_dir.name
         handler = logging.FileHandler(run_dir / "run.log")
@@ -252,7 +253,7 @@ class Runner:
                     if grant is None:
                         continue
                     if share and not grant.exclusive:
-                        grant.gate = measure_gate.new_folder(self.procs.tmpdir)
+                        grant.gate = measure_gate.new_folder(self.tmpdir)
                     for x in job:
                         pending.remove(x)
                     threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
