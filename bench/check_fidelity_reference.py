@@ -1,10 +1,11 @@
 """The hf evaluation's fidelity from the baseline stage's kept hidden states against a forward pass of the baseline.
 
 For each artifact of a run's stage cache: the per-window KL, top-1 agreements and log-likelihoods computed as the
-evaluate stage computes them (the baseline's logits from its output layer applied to the kept hidden states), and again
-with the baseline's whole forward pass, on this host's device; equal or not, the largest difference, and the time each
-took. Also whether the baseline stage kept hidden states at all (it keeps none when its output layer alone does not give
-its logits bit for bit, and its artifacts then run the forward pass).
+evaluate stage computes them (the baseline's logits from its output layer, rebuilt alone from the checkpoint, applied to
+the kept hidden states), and again with the baseline's whole forward pass, on this host's device; equal or not, the
+largest difference, and the time each took. Also whether the baseline stage kept hidden states at all (it keeps none
+when its output layer alone does not give its logits bit for bit, and its artifacts then run the forward pass) and
+whether the output layer alone could be rebuilt (else the stage loads the whole baseline).
 
     python bench/check_fidelity_reference.py CACHE --documents heldout.jsonl [--json OUT]
 
@@ -37,7 +38,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from quantpipe.stages.evaluate.fidelity import document_windows, load_documents
-    from quantpipe.stages.evaluate.hf import REFERENCE, fidelity_full, load_model, load_reference
+    from quantpipe.stages.evaluate.hf import REFERENCE, fidelity_full, load_head, load_model, load_reference
 
     stages = a.cache / "stages"
     base_eval = one("evaluate/baseline/*/out", stages)
@@ -47,9 +48,12 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(base_model))
     f = settings["fidelity"]
     seqs = document_windows(tok, load_documents(a.documents), settings["add_bos"], f["seq_len"], f["max_tokens"])
-    hidden = load_reference(base_eval / REFERENCE, seqs)
+    kept = load_reference(base_eval / REFERENCE, seqs)
+    head = load_head(base_model, dtype, False, device, kept) if kept else None
+    hidden = kept.states if kept else None
     result = {"device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "dtype": dtype,
-              "torch": torch.__version__, "windows": len(seqs), "kept_hidden_states": hidden is not None, "artifacts": {}}
+              "torch": torch.__version__, "windows": len(seqs), "kept_hidden_states": kept is not None,
+              "output_layer_alone": head is not None, "artifacts": {}}
     print(json.dumps({k: v for k, v in result.items() if k != "artifacts"}), flush=True)
     ref = load_model(base_model, dtype, False, device)
     for d in sorted((stages / "evaluate").iterdir()):
@@ -63,7 +67,7 @@ def main() -> None:
             if device == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            runs[how] = fidelity_full(ref, model, seqs, h)
+            runs[how] = fidelity_full(head if h is not None and head is not None else ref, model, seqs, h)
             if device == "cuda":
                 torch.cuda.synchronize()
             row[f"{how}_s"] = round(time.perf_counter() - t0, 3)

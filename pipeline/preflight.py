@@ -10,7 +10,9 @@ samples of S tokens, hidden size h, L layers, GiB = 2**30 bytes):
                     sequential pipeline) + GPTQ Hessians (in*in fp32 per Linear of one layer; every
                     layer with pipeline: basic) + AWQ activation cache (N*S*(2h+heads*head_dim+i)*4)
                     + runtime;  GPU (if any): 2*one layer + embeddings + Hessians + activations
-    evaluate   RAM  2*P*b (artifact decompressed + baseline for KL) + runtime
+    evaluate   RAM  P*b (artifact decompressed) + the baseline for KL: through transformers its output layer
+                    alone (V*h*b), the whole baseline (P*b) for a model whose logits are soft-capped or scaled
+                    and through vLLM + runtime
     benchmark  RAM  weights + KV cache (kv_cache_memory_bytes, else what the stage picks) + vLLM runtime;
                GPU  gpu_memory_utilization (default 0.9) * GPU memory, which must hold weights + one
                     max_model_len sequence of KV cache
@@ -70,7 +72,8 @@ def model_shape(model_dir: str | Path) -> dict | None:
     counted = param_count(sorted(d.glob("*.safetensors")))
     return {"hidden": h, "layers": L, "heads": heads, "kv_heads": kv, "head_dim": hd, "intermediate": inter, "vocab": V,
             "tied": tied, "params": counted or from_config, "params_from": "safetensors" if counted else "config",
-            "layer_params": layer, "max_len": int(c.get("max_position_embeddings") or 0) or None}
+            "layer_params": layer, "max_len": int(c.get("max_position_embeddings") or 0) or None,
+            "logits_rescaled": any(c.get(k) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))}
 
 
 def artifact_bytes(a, m: dict, b: int) -> int:
@@ -133,7 +136,9 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
         elif s.kind == "evaluate":
             dt, eb = (work, wb) if s.inp.backend == "hf" else (recipe.base.dtype, b)
             terms = {f"model in {dt}": P * eb}
-            if a is not None:
+            if a is not None and s.inp.backend == "hf" and not m["logits_rescaled"]:  # hf.load_head
+                terms["baseline's output layer (for KL)"] = m["vocab"] * h * eb
+            elif a is not None:
                 terms["baseline (for KL)"] = P * eb
             if gpu:
                 gpu_terms, terms = dict(terms), {"loading": P * b}

@@ -351,13 +351,13 @@ def test_a_perturbed_model_gives_kl_above_zero_with_a_lower_bound_above_zero_rep
     assert summarize(stats, 500, "documents", "windows of 17 tokens") == f  # fixed seed: the same interval every time
 
 
-def _small_llama(seed: int):
+def _small_llama(seed: int, tied: bool = False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=64)
+                      num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -367,12 +367,33 @@ def test_the_baselines_kept_hidden_states_give_the_same_fidelity_as_its_forward_
     base, art = _small_llama(0), _small_llama(1)
     seqs = [([1, 5, 9, 13, 2, 40, 7], 1), ([1, 3, 3, 8, 60, 11], 1), ([1, 22, 4], 2)]
     save_reference(base, seqs, tmp_path / "ref.safetensors")
-    hidden = load_reference(tmp_path / "ref.safetensors", seqs)
-    assert hidden is not None and [h.shape[1] for h in hidden] == [7, 6, 3]
-    kept, forward = fidelity_full(base, art, seqs, hidden), fidelity_full(base, art, seqs)
+    ref = load_reference(tmp_path / "ref.safetensors", seqs)
+    assert ref is not None and [h.shape[1] for h in ref.states] == [7, 6, 3]
+    kept, forward = fidelity_full(base, art, seqs, ref.states), fidelity_full(base, art, seqs)
     assert kept == forward and all(w["kl"] > 0 for w in kept)
     assert load_reference(tmp_path / "ref.safetensors", seqs[:2]) is None  # other sequences: the stage runs the baseline itself
     assert load_reference(tmp_path / "missing.safetensors", seqs) is None
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied-embeddings"])
+def test_an_artifacts_fidelity_needs_only_the_baselines_output_layer(tmp_path, tied):
+    """With the baseline's kept states, the artifact's stage rebuilds the baseline's output layer alone from its
+    checkpoint (the embeddings' weight where tied): the same figures as the forward pass, a vocab x hidden layer in
+    memory instead of the model. A checkpoint whose layer does not give the kept logits bit for bit is refused."""
+    import torch
+
+    from quantpipe.stages.evaluate.hf import fidelity_full, load_head, load_reference, save_reference
+
+    base, art = _small_llama(0, tied), _small_llama(1)
+    base.save_pretrained(tmp_path / "base")
+    seqs = [([1, 5, 9, 13, 2, 40, 7], 1), ([1, 3, 3, 8, 60, 11], 1), ([1, 22, 4], 2)]
+    save_reference(base, seqs, tmp_path / "ref.safetensors")
+    kept = load_reference(tmp_path / "ref.safetensors", seqs)
+    head = load_head(tmp_path / "base", "float32", False, "cpu", kept)
+    assert type(head) is torch.nn.Linear and [p.shape for p in head.parameters()] == [(64, 16)]
+    assert fidelity_full(head, art, seqs, kept.states) == fidelity_full(base, art, seqs)
+    _small_llama(2, tied).save_pretrained(tmp_path / "other")
+    assert load_head(tmp_path / "other", "float32", False, "cpu", kept) is None
 
 
 def test_a_model_whose_logits_are_not_its_output_layers_keeps_no_hidden_states(tmp_path):
@@ -649,7 +670,8 @@ def test_fidelity_on_held_out_documents_with_intervals_over_windows(fidelity_rec
     assert f["ppl"] != f["ppl_baseline"] and f["ppl_ratio"] == pytest.approx(f["ppl"] / f["ppl_baseline"])
     assert f["ppl_ratio_ci95"][0] <= f["ppl_ratio"] <= f["ppl_ratio_ci95"][1] and f["ppl_ci95"][0] <= f["ppl"] <= f["ppl_ci95"][1]
     assert json.loads((tmp_path / "w2" / "evaluation.json").read_text())["fidelity"] == f
-    assert (tmp_path / "base" / "fidelity_hidden.safetensors").is_file() and f["baseline_logits"].startswith("from the baseline stage")
+    assert (tmp_path / "base" / "fidelity_hidden.safetensors").is_file()
+    assert f["baseline_logits"] == "from the baseline stage's hidden states and its output layer alone"
     # without the baseline's kept hidden states the stage runs the baseline's forward pass: the same figures
     bare = tmp_path / "base-bare"
     bare.mkdir()

@@ -102,11 +102,24 @@ def test_cpu_stages_computing_in_float32_are_sized_in_float32(tmp_path, monkeypa
     for fast in (True, False):
         monkeypatch.setattr(compute, "half_is_fast", lambda dtype, fast=fast: fast)
         terms[fast] = {k: v["terms"] for k, v in preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None).items()}
-    P = preflight.model_shape(m)["params"]
+    shape = preflight.model_shape(m)
+    P = shape["params"]
     assert terms[True]["quantize:gptq"]["model in bfloat16"] == 2 * P and terms[False]["quantize:gptq"]["model in float32"] == 4 * P
     assert terms[False]["quantize:gptq"]["layer activations (2*N*S*h*b)"] == 2 * terms[True]["quantize:gptq"]["layer activations (2*N*S*h*b)"]
-    assert terms[False]["evaluate:gptq"]["baseline (for KL)"] == 4 * P
+    assert terms[False]["evaluate:gptq"]["model in float32"] == 4 * P
+    assert terms[False]["evaluate:gptq"]["baseline's output layer (for KL)"] == 4 * shape["vocab"] * shape["hidden"]
     assert terms[False]["benchmark:gptq"] == terms[True]["benchmark:gptq"]  # vLLM serves in base.dtype either way
+
+
+def test_the_hf_evaluation_counts_the_whole_baseline_where_its_logits_are_not_its_output_layers(tmp_path):
+    """An artifact's hf evaluation holds the baseline's output layer alone, unless the logits are soft-capped or scaled
+    (the baseline then keeps no hidden states and the stage loads the whole model)."""
+    (tmp_path / "val.jsonl").write_text('{"prompt": "1 + 1 =", "reference": "2"}\n')
+    for i, (extra, whole) in enumerate((({}, False), ({"final_logit_softcapping": 30.0}, True), ({"logit_scale": 0.0625}, True))):
+        m = model_dir(tmp_path, {**LLAMA, **extra}, name=f"model{i}")
+        r = recipe(tmp_path, m, adapters=[], evaluation={"validation": {"path": str(tmp_path / "val.jsonl")}})
+        terms = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None)["evaluate:gptq"]["terms"]
+        assert ("baseline (for KL)" in terms) is whole and ("baseline's output layer (for KL)" in terms) is not whole, extra
 
 
 def test_gpu_benchmark_reserves_its_share_and_needs_room_for_one_sequence(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...cache import hash_json
@@ -57,14 +58,17 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
             timings["fidelity_reference_s"] = round(time.perf_counter() - t0, 2)
     elif fidelity_seqs is not None:
         t0 = time.perf_counter()
-        ref_model = load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
-        hidden = load_reference(Path(baseline_eval) / REFERENCE, fidelity_seqs) if baseline_eval else None
-        fidelity = summarize(fidelity_full(ref_model, model, fidelity_seqs, hidden), inp.bootstrap_samples, *source(inp))
+        kept = load_reference(Path(baseline_eval) / REFERENCE, fidelity_seqs) if baseline_eval else None
+        head = load_head(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"], kept) if kept else None
+        ref = head or load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
+        hidden = kept.states if kept else None
+        fidelity = summarize(fidelity_full(ref, model, fidelity_seqs, hidden), inp.bootstrap_samples, *source(inp))
         if fidelity is not None:
             fidelity["kl_support"] = "full vocabulary"
-            fidelity["baseline_logits"] = "from the baseline stage's hidden states" if hidden else "baseline forward pass"
+            fidelity["baseline_logits"] = ("baseline forward pass" if not kept else "from the baseline stage's hidden states"
+                                           + (" and its output layer alone" if head else ""))
         timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
-        del ref_model
+        del ref
         log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
     del model
     free()
@@ -120,15 +124,17 @@ def generate(model, tok, rows: list[dict], cfg, settings: dict) -> list[str]:
 def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: list | None = None) -> list[dict]:
     """Per sequence (ids, first scored position): the sums of KL(baseline || artifact) over the whole vocabulary, top-1
     agreements and negative log-likelihoods of the scored tokens, with their count (fidelity.summarize takes them).
-    `hidden`: per sequence, the input of the baseline's output layer (load_reference); None runs the baseline's forward pass."""
+    `hidden`: per sequence, the input of the baseline's output layer (load_reference); `ref_model` may then be that
+    layer alone (load_head). None runs the baseline's forward pass."""
     import torch
 
     out = []
+    head = None if hidden is None else ref_model if isinstance(ref_model, torch.nn.Linear) else ref_model.get_output_embeddings()
     with torch.inference_mode():
         for i, (ids, start) in enumerate(seqs):
             x = torch.tensor([ids], device=model.device)
             sl = slice(start - 1, len(ids) - 1)  # positions that predict the scored tokens
-            ref_logits = ref_model(x).logits if hidden is None else ref_model.get_output_embeddings()(hidden[i].to(model.device))
+            ref_logits = ref_model(x).logits if hidden is None else head(hidden[i].to(model.device))
             lb = torch.log_softmax(ref_logits[0, sl].float(), dim=-1)
             la = torch.log_softmax(model(x).logits[0, sl].float(), dim=-1)
             target = torch.tensor(ids[start:], device=model.device)[:, None]
@@ -138,6 +144,21 @@ def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: l
 
 
 REFERENCE = "fidelity_hidden.safetensors"
+
+
+@dataclass
+class Kept:
+    """What the baseline's stage kept: per sequence, the input of its output layer; and the SHA-256 of the first
+    sequence's logits, against which a rebuilt output layer is checked."""
+
+    states: list
+    logits_sha256: str | None
+
+
+def logits_digest(logits) -> str:
+    import hashlib
+
+    return hashlib.sha256(logits.detach().float().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
 def save_reference(model, seqs: list[tuple[list[int], int]], path: Path) -> None:
@@ -151,28 +172,73 @@ def save_reference(model, seqs: list[tuple[list[int], int]], path: Path) -> None
         return
     captured: list = []
     hook = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0].detach().clone()))
-    tensors = {}
+    tensors, digest = {}, None
     try:
         with torch.inference_mode():
             for i, (ids, _) in enumerate(seqs):
                 logits = model(torch.tensor([ids], device=model.device)).logits
                 h = captured.pop()
-                if i == 0 and not torch.equal(head(h), logits):
-                    log.info("the baseline's logits are not its output layer's alone: artifacts run the baseline's forward pass")
-                    return
+                if i == 0:
+                    if not torch.equal(head(h), logits):
+                        log.info("the baseline's logits are not its output layer's alone: artifacts run the baseline's forward pass")
+                        return
+                    digest = logits_digest(logits)
                 tensors[str(i)] = h.cpu().contiguous()
     finally:
         hook.remove()
-    save_file(tensors, str(path), metadata={"sequences_sha256": hash_json(seqs)})
+    save_file(tensors, str(path), metadata={"sequences_sha256": hash_json(seqs), "logits0_sha256": digest or ""})
 
 
-def load_reference(path: Path, seqs: list[tuple[list[int], int]]) -> list | None:
+def load_reference(path: Path, seqs: list[tuple[list[int], int]]) -> Kept | None:
     """The baseline's hidden states for `seqs` (save_reference), or None when it kept none for exactly these sequences."""
     from safetensors import safe_open
 
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        if (f.metadata() or {}).get("sequences_sha256") != hash_json(seqs) or len(f.keys()) != len(seqs):
+        meta = f.metadata() or {}
+        if meta.get("sequences_sha256") != hash_json(seqs) or len(f.keys()) != len(seqs):
             return None
-        return [f.get_tensor(str(i)).clone() for i in range(len(seqs))]  # a fresh, aligned copy: the matmul then rounds as on the original
+        # fresh, aligned copies: the matmul then rounds as on the original
+        return Kept([f.get_tensor(str(i)).clone() for i in range(len(seqs))], meta.get("logits0_sha256") or None)
+
+
+def load_head(path: Path, dtype: str, trust_remote_code: bool, device: str, kept: Kept):
+    """The baseline's output layer alone, its weight read from the checkpoint (the input embeddings' where the two are
+    tied), when it gives the logits the baseline's stage saw on the first sequence bit for bit; None otherwise (an
+    output layer with a bias, another checkpoint layout, another device's rounding): the stage then loads the whole model."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not kept.logits_sha256:
+        return None
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        log.info("the baseline's output layer alone: %s; loading the whole model", str(e)[:200])
+        return None
+    head = skeleton.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+    source = skeleton.get_input_embeddings() if tied else head
+    key = next((f"{n}.weight" for n, m in skeleton.named_modules() if m is source), None)
+    weight = None
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            if key in st.keys():
+                weight = st.get_tensor(key)
+                break
+    if weight is None or tuple(weight.shape) != tuple(head.weight.shape):
+        return None
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    layer.weight = torch.nn.Parameter(weight.to(getattr(torch, dtype)).to(device).contiguous(), requires_grad=False)
+    with torch.inference_mode():
+        same = logits_digest(layer(kept.states[0].to(device))) == kept.logits_sha256
+    if not same:
+        log.info("the baseline's output layer alone does not give its logits bit for bit here; loading the whole model")
+        return None
+    return layer.eval()
