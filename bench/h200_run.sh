@@ -149,7 +149,7 @@ _recipe)
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   df -h /tmp
   only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_JOBS:+--jobs $QP_JOBS})
-  limit=${QP_STAGE_TIMEOUT:-10}  # minutes; a benchmark sharing its GPU counts the time it waits for it
+  limit=${QP_STAGE_TIMEOUT:-10}  # minutes
   if [ -n "${QP_WARMUP:-}" ]; then  # R1 warms the host with a lighter recipe of the same shape, schemes and engine
     python3 -m quantpipe run --stage-timeout $limit $QP_WARMUP "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (warm-up $QP_WARMUP) rc=$rc"
   else

@@ -184,8 +184,8 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--artifacts", default=None, help="Build only these artifacts (comma-separated names).")
 @click.option("--wait", is_flag=True, help="If another run holds the output directory, wait for it instead of failing.")
 @click.option("--stage-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MINUTES",
-              help="Stop any stage that runs longer than this (and its processes; a benchmark sharing its GPU counts the time it waits "
-                   "for it); the run goes on with the others and exits non-zero.")
+              help="Stop any stage that runs longer than this (and its processes; a benchmark sharing its GPU does not count the "
+                   "time it waits for its turn to measure); the run goes on with the others and exits non-zero.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
               help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting). "
                    "Without GPUs, N > 1 shares the CPU; a benchmark still measures with the host to itself.")

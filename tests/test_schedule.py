@@ -283,3 +283,18 @@ def test_the_measure_gates_of_dead_runners_are_swept_and_a_live_ones_kept(tmp_pa
     measure_gate.sweep(tmp_path)
     assert not gone.exists() and (kept / "want-1").exists()
     assert kept.name.startswith(f"{measure_gate.PREFIX}{os.getpid()}-")
+
+
+def test_the_stage_timeout_leaves_out_a_benchmarks_wait_for_its_turn(tmp_path):
+    """A stage of 3 s that waits for its turn at the measure gate for its first 2.5 s is within a 2 s limit; the same
+    stage counted in full is stopped at 2 s."""
+    import time
+
+    from quantpipe.run.process import Processes
+
+    procs = Processes(tmp_path, [])
+    t0 = time.monotonic()
+    assert procs.spawn(["sleep", "3"], tmp_path / "waits.log", 2.0, paused=lambda: time.monotonic() - t0 < 2.5) == 0
+    t0 = time.monotonic()
+    assert procs.spawn(["sleep", "3"], tmp_path / "counted.log", 2.0) is None
+    assert time.monotonic() - t0 < 2.9

@@ -153,7 +153,9 @@ class Builder:
                 env[measure_gate.ENV] = grant.gate
             if grant.cpu_shared and "OMP_WAIT_POLICY" not in os.environ:
                 env["OMP_WAIT_POLICY"] = "PASSIVE"
-            return self.r.procs.spawn([str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")], log_path, self.r.stage_timeout_s, env)
+            waiting = (lambda gate=grant.gate: measure_gate.latest(gate)[1] == "want") if grant.gate else None  # not counted
+            return self.r.procs.spawn([str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")], log_path, self.r.stage_timeout_s, env,
+                                      paused=waiting)
         except BaseException:  # the stage was stopped, its half output goes
             for w in works:
                 shutil.rmtree(w, ignore_errors=True)

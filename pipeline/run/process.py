@@ -40,6 +40,24 @@ class RedactFilter(logging.Filter):
         return True
 
 
+def _wait(p: subprocess.Popen, timeout_s: float | None, paused=None, poll_s: float = 1.0) -> bool:
+    """Wait for `p`; False when it has run `timeout_s` seconds, not counting the polls at which `paused()` held."""
+    if timeout_s is None:
+        p.wait()
+        return True
+    used, last = 0.0, time.monotonic()
+    while used < timeout_s:
+        try:
+            p.wait(timeout=min(poll_s, timeout_s - used))
+            return True
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if paused is None or not paused():
+                used += now - last
+            last = now
+    return False
+
+
 class Processes:
     """The stage workers a run has started, so that a signal or the run's end can stop every one of them."""
 
@@ -51,8 +69,9 @@ class Processes:
         self.stopping = False  # set by stop_all: a stage that ends now was stopped, it did not fail
         self.watch = None  # the console's live status (quantpipe.console.LiveStatus): begin/line/end per stage log
 
-    def spawn(self, cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict | None = None) -> int | None:
-        """Run a stage worker in its own process group; its exit code, or None if it ran past `timeout_s`."""
+    def spawn(self, cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict | None = None, paused=None) -> int | None:
+        """Run a stage worker in its own process group; its exit code, or None if it ran past `timeout_s`, not counting
+        the time during which `paused()` held (a benchmark waiting for its turn on a shared GPU)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "QUANTPIPE_RUNNER_PID": str(os.getpid()), **(extra_env or {})}
         env.setdefault("TMPDIR", str(self.tmpdir))
         Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
@@ -66,14 +85,13 @@ class Processes:
             pump = threading.Thread(target=self._pump, args=(p.stdout, logf, log_path), daemon=True)
             pump.start()
             try:
-                rc = p.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:  # a hung stage: SIGTERM (the worker ends its group), then SIGKILL
-                killpg(p.pid, signal.SIGTERM)
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    pass
-                rc = None
+                rc = p.returncode if _wait(p, timeout_s, paused) else None
+                if rc is None:  # a hung stage: SIGTERM (the worker ends its group), then SIGKILL
+                    killpg(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        pass
             finally:
                 pump.join(timeout=10)
                 if self.watch is not None:
