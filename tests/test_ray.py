@@ -215,6 +215,23 @@ def test_two_recipes_with_the_local_executor_share_the_merge_and_get_one_index(t
 
 
 @pytest.mark.slow
+def test_a_merge_through_a_one_node_cluster_is_placed_and_committed(tiny, tmp_path):
+    """The Ray executor at its smallest, in the default test run: one node, the merge alone (what every other stage of
+    the executor goes through: the runner's run, the task's placement, the commit into the cache, the record)."""
+    r = write_recipe(tmp_path / "r.yaml", tiny, tmp_path / "out", {"name": "fp8", "method": "fp8"})
+    cache = tmp_path / "cache"
+    with ray_cluster(1, num_cpus=1) as one:
+        rc, err = finish(quantpipe(str(r), "--stages", "merge", "--cache", str(cache), cluster=one, tmp=tmp_path, label="merge"), tmp_path, "merge")
+    assert rc == 0, err[-4000:]
+    rec = record(tmp_path / "out")
+    merge = rec["stages"]["merge"]
+    assert rec["status"] == "ok" and merge["cache"] == "miss" and set(rec["stages"]) == {"merge"}
+    assert [a["node_id"] for a in merge["placement"]["attempts"]] == [one.head.node_id]
+    assert set(committed(cache)) == {"merge"} and not leftovers(cache)
+    assert_entries_verify(cache)
+
+
+@pytest.mark.slow
 @pytest.mark.long
 def test_a_two_recipe_matrix_on_two_nodes_builds_every_entry_once(tiny, tmp_path, cluster):
     a = write_recipe(tmp_path / "ra.yaml", tiny, tmp_path / "out" / "ra", {"name": "fp8", "method": "fp8"})
