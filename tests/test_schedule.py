@@ -99,6 +99,23 @@ def test_a_shared_benchmark_starts_beside_other_work_and_measures_only_when_the_
     assert s.try_start("quantize:b", "quantize", est(1)) is not None
 
 
+def test_shared_benchmarks_measure_in_the_order_they_asked():
+    """The baseline asks while another benchmark's server still starts; when that one asks too, the GPU is idle and the
+    baseline, which asked first, measures first, whichever of the two the runner looks at first."""
+    s = Scheduler([Gpu("0", 80 * GIB)], jobs=8)
+    for sid in ("benchmark:baseline", "benchmark:awq", "benchmark:gptq"):
+        assert s.try_start(sid, "benchmark", est(10), share=True) is not None
+    s.wait_to_measure("benchmark:baseline")
+    assert not s.try_measure("benchmark:baseline")  # awq and gptq still start their servers
+    s.wait_to_measure("benchmark:awq")
+    s.wait_to_measure("benchmark:gptq")
+    assert not s.try_measure("benchmark:gptq") and not s.try_measure("benchmark:awq")  # the baseline asked first
+    s.wait_to_measure("benchmark:baseline")  # asking again keeps its place
+    assert s.try_measure("benchmark:baseline")
+    s.finish("benchmark:baseline")
+    assert not s.try_measure("benchmark:gptq") and s.try_measure("benchmark:awq")
+
+
 def test_a_shared_benchmark_takes_the_idlest_gpu_and_a_benchmark_that_cannot_share_stays_alone():
     s = Scheduler(two_gpus(), jobs=8)
     s.try_start("quantize:a", "quantize", est(5))

@@ -55,6 +55,7 @@ class Grant:
     phase: str = "busy"  # a shared benchmark: "waiting" (to measure: idle on its GPU) or "measuring"
     gate: str | None = None  # a shared benchmark: the folder its worker and the runner meet in (common/measure_gate.py)
     windows: list = field(default_factory=list)  # [start_s, end_s] of each stretch it measured
+    asked: int = 0  # a shared benchmark waiting to measure: its place in the queue (the earliest measures first)
     cpu_shared: bool = False  # on a shared host: the stage's OpenMP threads sleep rather than spin while they wait
 
 
@@ -106,6 +107,7 @@ class Scheduler:
     ram_bytes: int | None = None
     jobs: int = 1
     running: dict[str, Grant] = field(default_factory=dict)
+    asks: int = 0  # requests to measure so far
 
     def _users(self, index: str | None) -> list[Grant]:
         """The grants on GPU `index`; None: on the host (a host without GPUs is one device to share)."""
@@ -149,20 +151,28 @@ class Scheduler:
 
     def wait_to_measure(self, sid: str) -> None:
         """`sid` (a shared benchmark) is ready to measure: idle on its GPU until `try_measure` lets it."""
-        self.running[sid].phase = "waiting"
+        g = self.running[sid]
+        if g.phase != "waiting":
+            self.asks += 1
+            g.phase, g.asked = "waiting", self.asks
 
     def try_measure(self, sid: str) -> bool:
-        """True, and `sid` measures, when every other stage on its GPU is idle (waiting to measure)."""
-        if self.blockers(sid):
+        """True, and `sid` measures, when every other stage on its GPU is idle (waiting to measure) and none of those
+        asked before it (first come, first measured: a newcomer never overtakes a benchmark that has been waiting)."""
+        g = self.running[sid]
+        if self.blockers(sid) or any(u.phase == "waiting" and u.asked < g.asked for u in self._beside(sid).values()):
             return False
-        self.running[sid].phase = "measuring"
+        g.phase = "measuring"
         return True
 
     def blockers(self, sid: str) -> list[str]:
         """The stages that keep `sid` from measuring: those on its GPU that are not waiting to measure."""
+        return sorted(other for other, u in self._beside(sid).items() if u.phase != "waiting")
+
+    def _beside(self, sid: str) -> dict[str, Grant]:
+        """The other stages on `sid`'s GPUs (on a host without GPUs, every other stage)."""
         g = self.running[sid]
-        return sorted({other for other, u in self.running.items()
-                       if u is not g and (not self.gpus or set(u.gpus) & set(g.gpus)) and u.phase != "waiting"})
+        return {other: u for other, u in self.running.items() if u is not g and (not self.gpus or set(u.gpus) & set(g.gpus))}
 
     def end_measure(self, sid: str) -> None:
         self.running[sid].phase = "busy"
