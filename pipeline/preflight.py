@@ -10,9 +10,9 @@ samples of S tokens, hidden size h, L layers, GiB = 2**30 bytes):
                     sequential pipeline) + GPTQ Hessians (in*in fp32 per Linear of one layer; every
                     layer with pipeline: basic) + AWQ activation cache (N*S*(2h+heads*head_dim+i)*4)
                     + runtime;  GPU (if any): 2*one layer + embeddings + Hessians + activations
-    evaluate   RAM  P*b (artifact decompressed) + the baseline for KL: through transformers its output layer
-                    alone (V*h*b), the whole baseline (P*b) for a model whose logits are soft-capped or scaled
-                    and through vLLM + runtime
+    evaluate   RAM  P*b (artifact decompressed) + the baseline for KL (through transformers its output layer
+                    alone, V*h*b; the whole baseline, P*b, through vLLM or for a model whose logits are
+                    soft-capped or scaled) + runtime
     benchmark  RAM  weights + KV cache (kv_cache_memory_bytes, else what the stage picks) + vLLM runtime;
                GPU  gpu_memory_utilization (default 0.9) * GPU memory, which must hold weights + one
                     max_model_len sequence of KV cache

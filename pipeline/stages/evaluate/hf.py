@@ -60,7 +60,7 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
         t0 = time.perf_counter()
         kept = load_reference(Path(baseline_eval) / REFERENCE, fidelity_seqs) if baseline_eval else None
         head = load_head(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"], kept) if kept else None
-        ref = head or load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
+        ref = head if head is not None else load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
         hidden = kept.states if kept else None
         fidelity = summarize(fidelity_full(ref, model, fidelity_seqs, hidden), inp.bootstrap_samples, *source(inp))
         if fidelity is not None:
