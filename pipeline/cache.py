@@ -1,11 +1,9 @@
 """Content-addressed stage cache with atomic commits.
 
-A stage's key hashes its config, the keys of the stages it reads, the content of external inputs
-(model, adapter, calibration files: hashed once, then memoized by path, size and mtime) and the
-environment lock it runs in. An entry is `<root>/stages/<stage>/<key>/` holding `out/` and a marker
-`entry.json` written last; it appears under its final name by one `rename`, so a reader sees a
-whole entry or none. The marker records every output file's size and sha256: `verify_entry`
-detects a truncated, deleted or flipped file, and the runner then rebuilds the entry.
+A stage's key hashes its config, the keys of the stages it reads, the content of external inputs (memoized by path,
+size and mtime) and its environment lock. An entry is `<root>/stages/<stage>/<key>/` holding `out/` and a marker
+`entry.json` written last; it appears under its final name by one `rename`, so a reader sees a whole entry or none.
+The marker records each output file's size and sha256, so a truncated, deleted or flipped file is found and rebuilt.
 """
 
 from __future__ import annotations
@@ -32,13 +30,8 @@ def sha256_file(path: Path, bufsize: int = 1 << 22) -> str:
 
 
 def recorded_hashes(outs) -> dict:
-    """The sha256 that committed entries recorded for their files, by (device, inode, size, mtime_ns).
-
-    The package stage hard-links its quantize entry's weight shards, so the package (and the commit of its
-    entry) would read an 8B model's gigabytes again to hash what the quantize commit hashed. A file of the
-    same inode, size and mtime as an entry's recorded file has its recorded content, on the trust the cache
-    already gives committed entries (they are never written after their commit; any write changes the mtime).
-    `outs` are stage outputs (`<entry>/out`); anything else (an external input) is skipped."""
+    """The sha256 that entries `outs` (`<entry>/out`; others skipped) recorded, by (dev, inode, size, mtime_ns).
+    Spares re-hashing shards hard-linked from another entry: committed files are never rewritten (a write changes mtime)."""
     known = {}
     for out in outs:
         out = Path(out)
@@ -142,8 +135,7 @@ class StageCache:
         return work
 
     def commit(self, work: Path, stage: str, key: str, meta: dict, inputs=()) -> dict:
-        """Record file hashes, write the marker last, fsync, and rename into place. Files hard-linked from
-        the stage's `inputs` (committed outputs) take the hashes their entries recorded."""
+        """Hash the files, write the marker last, fsync, rename into place; files hard-linked from `inputs` reuse their hashes."""
         out = work / "out"
         known = recorded_hashes(inputs)
         files = {}
@@ -172,10 +164,7 @@ class StageCache:
 
     def verify_entry(self, stage: str, key: str, marker: dict, full: bool = True) -> list[str]:
         """Problems with a committed entry's files: missing, resized, or (full) changed content.
-
-        `full` re-hashes a file only when its modification time differs from the one recorded at
-        commit (any write changes it), unless $QUANTPIPE_VERIFY=full: re-hashing an 8B model's 16 GB
-        on every use costs ~13 s per hit on an H200 host, a large share of an unchanged re-run."""
+        `full` re-hashes only files whose mtime changed, unless $QUANTPIPE_VERIFY=full (16 GB: ~13 s a hit on an H200)."""
         out = self.entry(stage, key) / "out"
         every = os.environ.get("QUANTPIPE_VERIFY") == "full"
         problems = []
@@ -201,8 +190,7 @@ class StageCache:
             shutil.rmtree(trash, ignore_errors=True)
 
     def sweep(self) -> None:
-        """Remove what runs that died (their pid is gone) left: working folders, and replaced or
-        discarded entries they were deleting when killed."""
+        """Remove working folders and half-deleted entries left by runs that died (their pid is gone)."""
         stages = self.root / "stages"
         if not stages.exists():
             return

@@ -1,12 +1,9 @@
 """Calibration data: the texts llm-compressor calibrates on, read, checked, sampled, templated and hashed.
 
-Sources are local `.jsonl` / `.json` / `.parquet` files whose rows hold a `text` field or chat
-`messages` (rendered with the model's own chat template: calibrating a fine-tuned chat model on raw
-text is the usual mistake), or hub datasets where a network is available. Several sources are mixed
-by weight; `seed` and `shuffle` make the draw repeatable. The sha256 of the token ids actually used
-goes into the stage's metrics and `calibration.json`, so two artifacts can be told apart by their
-data. Reading and sampling need no torch (`check` validates a recipe's calibration files), only
-templating and tokenizing need a tokenizer:
+Sources are local `.jsonl` / `.json` / `.parquet` files whose rows hold a `text` field or chat `messages` (rendered with
+the model's own chat template: calibrating a fine-tuned chat model on raw text is the usual mistake), or hub datasets.
+Sources mix by weight; `seed` and `shuffle` make the draw repeatable. The sha256 of the token ids used goes into the
+stage's metrics and `calibration.json`, so artifacts can be told apart by their data. Reading and sampling need no torch:
 
     from quantpipe.calibration import check
     check(recipe.calibration)   # -> [] or ["data/cal.jsonl:17: not valid JSON (...)", ...]
@@ -237,8 +234,7 @@ def _allocate(total: int, weights: list[float]) -> list[int]:
 
 
 def _draw(s: CalibrationSource, i: int, want: int, c: Calibration) -> tuple[list[Row], dict]:
-    """`want` rows of one source: a local file is checked row by row in full (errors anywhere are named);
-    a hub dataset is read lazily, only as far as the draw needs, skipping empty rows."""
+    """`want` rows of one source: a local file is checked in full, a hub dataset read only as far as the draw needs."""
     hub = s.dataset is not None
     recs = _records(s, i)
     rng = random.Random(f"{c.seed}:{i}")

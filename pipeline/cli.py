@@ -99,8 +99,7 @@ def _after_run(console, runner, tracking, refresh_history: bool, plain: bool) ->
 
 
 def _load(path: str):
-    """The recipe, checked against everything knowable before a stage runs: its schema, the files it names (rows read as the
-    stages will), the model's config.json and tokenizer, lm-eval's task names, and where the run writes. Bad input exits 2."""
+    """The recipe, checked against everything knowable before a stage runs (schema, then `quantpipe.inputs`); bad input exits 2."""
     try:
         r = load(path)
     except RecipeError as e:

@@ -1,14 +1,10 @@
 """The run's console: a live line per running stage while it runs, the decision when it ends.
 
-While a stage runs, `LiveStatus` (a rich Live display, on a terminal only) shows one line per running
-stage: its elapsed time and what it is doing now, read from what the stage writes. The runner's
-process pump hands it every line of every stage's log (run/process.py `Processes.watch`), and the
-benchmark's own logs in its work folder say the rest: `server default starting (32 s)`,
-`fixed c=16: 40/64 requests sent` (the server's access log counted against `--num-prompts`), the layer
-llm-compressor is calibrating, lm-eval's request type and progress. The logs keep everything; the
-live lines vanish when their stage ends. `final_summary` prints the artifacts (size, recovery with its
-interval, KL, goodput at the SLO, gate), the recommendation in one sentence and where the report is,
-as plain text when the console is not a terminal or with --quiet (CI logs).
+On a terminal, `LiveStatus` (a rich Live display) shows each running stage's elapsed time and what it is doing, read from
+the log lines the runner's process pump hands it and from the benchmark's own logs (`server default starting (32 s)`,
+`fixed c=16: 40/64 requests sent`, counted in the server's access log). The logs keep everything; the live lines vanish
+when their stage ends. `final_summary` prints the artifacts, the recommendation and where the report is, as plain text
+when the console is not a terminal or with --quiet (CI logs).
 
     with LiveStatus(console) as live:
         runner.procs.watch = live
@@ -206,8 +202,7 @@ def _benchmark(st: _Stage, now: float) -> str | None:
 
 
 def _bench_label(stem: str, spec: dict) -> str:
-    """'default-fixed-c16-r1' -> 'fixed c=16, run 2' (the variant named unless it is the default; a request rate as
-    'r=2.5/s'), splitting on the recipe's variant names."""
+    """'default-fixed-c16-r1' -> 'fixed c=16, run 2', splitting on the recipe's variant names (the default one unnamed)."""
     bench = (spec.get("input") or {}).get("benchmark") or {}
     variants = ["default", *[v.get("name") for v in bench.get("variants") or [] if isinstance(v, dict)], "lora"]
     m = re.match(r"^(?P<rest>.+?)-(?:c(?P<c>\d+)|r(?P<rate>\d+(?:\.\d+)?))(?:-r(?P<run>\d+))?$", stem)

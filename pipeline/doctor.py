@@ -1,11 +1,9 @@
 """`quantpipe doctor`: what this host can build and serve, in one table.
 
-The platform (and what decided it), the GPUs and memory, each stage environment (where it is, the lock it was built
-from, its key library versions and whether they are the lock's), whether vLLM's torch sees the GPU, and which
-quantized schemes vLLM can run here with which kernels: on a GPU from the compute capability that vLLM's own
-compressed-tensors schemes ask for (W8A8-FP8 needs 8.9; below it an FP8 checkpoint is served weight-only through
-Marlin), on a CPU from the kernels vLLM's CPU build loaded (4-bit weights need `cpu_gemm_wna16`). vLLM is imported in
-the serve environment, in a subprocess (`probe` below), as the benchmark stage does.
+The platform, GPUs and memory, each stage environment against its lock, and which quantized schemes vLLM can run here
+with which kernels: on a GPU from the compute capability vLLM's compressed-tensors schemes ask for (W8A8-FP8 needs 8.9;
+below it FP8 weights are served weight-only through Marlin), on a CPU from the kernels vLLM's CPU build loaded (4-bit
+weights need `cpu_gemm_wna16`). vLLM is imported in a subprocess in the serve environment, as the benchmark stage does.
 
     quantpipe doctor            # exit 1 when an environment is missing or broken, or vLLM does not see the GPU
     quantpipe doctor --json

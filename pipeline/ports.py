@@ -1,4 +1,4 @@
-"""Ports on 127.0.0.1 for the servers quantpipe starts: one free now, whether one is taken, waiting for one to be freed.
+"""Ports on 127.0.0.1 for the servers quantpipe starts.
 
     port = free_port()            # the kernel's choice; vLLM binds it a moment later
     assert port_freed(port, 30)   # after the server stopped

@@ -1,26 +1,9 @@
 """Pre-flight: will each stage fit this machine? Estimated from the model's config and the recipe, before anything runs.
 
-A stage that needs more memory or disk than the machine has should be refused in a second, not fail
-an hour in. The estimates are deliberately simple upper bounds (P parameters, b bytes per element
-of base.dtype (quantize and evaluate on a CPU: of the dtype they compute in, common/compute.py), N calibration
-samples of S tokens, hidden size h, L layers, GiB = 2**30 bytes):
-
-    merge      RAM  P*4 (base loaded in fp32) + 2*adapter file + P*b (merged copy) + runtime
-    quantize   RAM  P*b + P*q (compressed copy at save) + 2*N*S*h*b (layer inputs/outputs of the
-                    sequential pipeline) + GPTQ Hessians (in*in fp32 per Linear of one layer; every
-                    layer with pipeline: basic) + AWQ activation cache (N*S*(2h+heads*head_dim+i)*4)
-                    + runtime;  GPU (if any): 2*one layer + embeddings + Hessians + activations
-    evaluate   RAM  P*b (artifact decompressed) + the baseline for KL (through transformers its output layer
-                    alone, V*h*b; the whole baseline, P*b, through vLLM or for a model whose logits are
-                    soft-capped or scaled) + runtime
-    benchmark  RAM  weights + KV cache (kv_cache_memory_bytes, else what the stage picks) + vLLM runtime;
-               GPU  gpu_memory_utilization (default 0.9) * GPU memory, which must hold weights + one
-                    max_model_len sequence of KV cache
-    disk       merge P*b, quantize and package the artifact's size (q bytes per quantized weight,
-               embeddings and ignored modules in b) in the cache, package once more in output_dir
-
-Only stages that will run (cache misses, forced) are checked; every estimate goes into run.json
-next to the peak the stage measured. `QUANTPIPE_PREFLIGHT=off` skips the refusal (not the record).
+A stage that needs more memory or disk than the machine has is refused in a second, not failed an hour in. The
+estimates are deliberately simple upper bounds, one named term per cost (the formulas: docs/architecture.md,
+"Pre-flight"). Only stages that will run (cache misses, forced) are checked; every estimate goes into run.json next
+to the peak the stage measured. `QUANTPIPE_PREFLIGHT=off` skips the refusal (not the record).
 
     quantpipe run recipes/demo.yaml --dry-run     # the plan, with each stage's estimate
 """
@@ -50,8 +33,7 @@ class PreflightError(Exception):
 
 
 def model_shape(model_dir: str | Path) -> dict | None:
-    """Dimensions from config.json (text_config for multimodal configs) and the parameter count
-    (from the safetensors headers where readable, else from the config). None when unknown."""
+    """Dimensions from config.json (text_config if multimodal) and the parameter count (safetensors headers, else config)."""
     d = Path(model_dir)
     cfg = read_config(d)
     if cfg is None:
@@ -162,8 +144,7 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
             size = artifact_bytes(a, m, b)
             terms = {"weights": size}
             disk_out = size  # the published copy
-            # In the cache the shards are hard links to the quantize entry's (5 GB shards); a smaller
-            # package.max_shard_size re-shards them into new files.
+            # the cache's shards are hard links to the quantize entry's (5 GB), unless a smaller max_shard_size re-shards them
             disk_cache = size if parse_size(recipe.package.max_shard_size) < parse_size(SHARD_SIZE) else 0
         terms["runtime"] = RUNTIME_BYTES.get(s.env, RUNTIME_BYTES["quantize"])
         out[s.id] = {

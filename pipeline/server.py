@@ -1,21 +1,16 @@
 """vLLM's OpenAI-compatible server as a context manager, for the benchmark stage.
 
-`Server` starts the real `vllm serve` (from the interpreter given, by default the running one) on
-127.0.0.1 and a free port, waits for `/health`, samples the memory of every process it started,
-and stops all of them on leaving the `with` block — normally, on an exception, on Ctrl-C — so no
-engine is left holding memory or the port. Against the cases where Python gets no chance to clean
-up: the server stays in the caller's process group (quantpipe's worker kills its group on SIGTERM),
-it gets PR_SET_PDEATHSIG (SIGTERM when the thread that started it dies, even by kill -9; vLLM then
-shuts its engine down itself), and `stop()` sweeps for stragglers by an environment marker that
-every descendant inherits, so even processes re-parented to init are found.
+`Server` starts `vllm serve` (from the interpreter given, by default the running one) on 127.0.0.1 and a free port,
+waits for `/health`, samples the memory of every process it started, and stops them all on leaving the `with` block, so
+no engine is left holding memory or the port. Where Python gets no chance to clean up, the server stays in the caller's
+process group (quantpipe's worker kills its group on SIGTERM), gets PR_SET_PDEATHSIG (SIGTERM when the starting *thread*
+dies, even by kill -9: start it from the main thread), and `stop()` also finds processes re-parented to init by an
+environment marker every descendant inherits. A server that exits or stops answering before it is healthy raises
+`ServerDied` with the reason its log gives (e.g. vLLM's "Failed to find a kernel ...") and the log tail.
 
     with Server("/models/tiny", ["--max-model-len", "512"], log_path=Path("server.log")) as srv:
         print(srv.url, srv.start_s)           # http://127.0.0.1:41237  31.8
         srv.completion("Hello", max_tokens=8)
-
-If the server exits (or stops answering) before it is healthy, `ServerDied` carries the reason found
-in its log (the first specific exception, e.g. vLLM's "Failed to find a kernel ...") and the log tail.
-Start `Server` from the main thread: PR_SET_PDEATHSIG fires when the starting *thread* ends.
 """
 
 from __future__ import annotations

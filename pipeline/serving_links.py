@@ -1,9 +1,10 @@
 """The stable serving link: a model directory served under a path that stays the same from one build to the next.
 
-vLLM keys its torch.compile cache on the served path, so the benchmark stage serves each artifact
-through a link named by its config.json; a rebuild of the same shape and scheme then finds the
-graphs compiled for the last one. The links live next to vLLM's compile cache
-(`$QUANTPIPE_SERVING_LINKS` overrides where).
+vLLM keys its torch.compile cache on the model's path (`ModelConfig.compute_hash` keeps `model`), so an artifact rebuilt
+into a new stage-cache directory would compile again: ~30 s of a ~85 s server start for an 8B model on an H200. The
+benchmark stage serves each artifact through a link named by what the compiled graphs depend on (config.json and any
+legacy quantization config file), so a rebuild of the same shape and scheme finds the graphs compiled for the last one.
+The links live next to vLLM's compile cache (`$QUANTPIPE_SERVING_LINKS` overrides where).
 
     with stable_path(artifact_dir) as served:    # ~/.cache/vllm/quantpipe-paths/3f2a9c01d4e5b6a7
         Server(served, ...)
@@ -31,16 +32,8 @@ QUANT_CONFIG_FILES = ("quantize_config.json", "quant_config.json", "hf_quant_con
 
 @contextlib.contextmanager
 def stable_path(model: str | Path) -> Iterator[Path]:
-    """The model directory under a path that stays the same from one build of it to the next.
-
-    vLLM keys its torch.compile cache on the model's path among other factors (`ModelConfig.compute_hash`
-    keeps `model`), so an artifact rebuilt into a new stage-cache directory (a nightly build of a new
-    fine-tune, a changed calibration set) compiles again: ~30 s of a ~85 s server start for an 8B model on
-    an H200. Served through a link named by its config.json (architecture, dtype, quantization scheme:
-    what the compiled graphs depend on; and a legacy quantization config file if there is one), a rebuild
-    of the same shape and scheme finds them. While in use the link is held under an exclusive lock; if
-    another server holds it, or no link can be made, the model's own path is served (a compile, nothing
-    worse)."""
+    """The model directory under a path that stays the same from one build to the next, held under an exclusive lock; the
+    model's own path where another server holds the link or none can be made (a compile, nothing worse)."""
     given, model = model, Path(model).resolve()
     try:
         cfg = json.loads((model / "config.json").read_text())

@@ -1,14 +1,10 @@
 """Logging runs to an MLflow tracking server, where a team already runs one. The run's own files stay the record.
 
-`log_run` logs one finished run: an MLflow run named by quantpipe's run id, with params (recipe name and
-hash, quantpipe version and commit, library versions, hardware), metrics per artifact (recovery, KL,
-top-1 agreement, goodput at the SLO, TTFT/TPOT p99 at the best point, size) and per stage (wall time),
-and artifacts (report.html/md/json, run.json, each package's manifest.json and model card); then each
-package becomes a version of the registered model named after the recipe, tagged with its gate verdict
-and whether it is the recommended one (which also gets the alias `recommended`). It writes
-`mlflow.json` into the run folder, so that `quantpipe history OUTPUT_DIR --push-mlflow URI` logs exactly
-the runs a server that was down has missed. A server that cannot be reached is an `MlflowUnavailable`,
-which the CLI reports without failing the run.
+A finished run becomes an MLflow run named by quantpipe's run id (params, metrics per artifact and stage, the reports and
+each package's card and manifest), and each package a version of the registered model named after the recipe, tagged with
+its gate verdict (the recommended one also gets the alias `recommended`). `mlflow.json` in the run folder records where
+the run was logged, so `--push-mlflow` logs exactly the runs a server that was down missed; an unreachable server is an
+`MlflowUnavailable`, which the CLI reports without failing the run.
 
     quantpipe run recipes/demo.yaml --mlflow http://127.0.0.1:5000
     quantpipe history out/demo --push-mlflow http://127.0.0.1:5000

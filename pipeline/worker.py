@@ -2,14 +2,12 @@
 
     <env>/bin/python <repo>/pipeline/worker.py SPEC.json
 
-It is started by file path and loads quantpipe from the folder it sits in, so a stage environment
-needs quantpipe's light dependencies only, not quantpipe itself. The spec names the stage, the
-stage's typed input (its slice of the recipe), the input folder, the output folder and the records
-of its upstream stages; the worker writes
-the stage's metrics (plus wall time and peak memory) to `metrics.json` next to the spec.
-Exit 0: done; 2: the stage refused its input (a StageError, message on the last line); 1: crashed.
-A benchmark spec may carry the artifact's evaluate spec under "evaluate" (a joint job, see quantpipe.run.runner):
-the evaluation then runs against the benchmark's server before its sweep, and each stage writes its own metrics.
+Started by file path, it loads quantpipe from its own folder, so a stage environment needs quantpipe's light dependencies
+only. The spec names the stage, its typed input (its slice of the recipe), the input and output folders and the records
+of its upstream stages; the stage's metrics (plus wall time and peak memory) go to `metrics.json` next to the spec.
+Exit 0: done; 2: the stage refused its input (a StageError, message on the last line); 1: crashed. A benchmark spec may
+carry the artifact's evaluate spec under "evaluate" (a joint job, see quantpipe.run.runner): the evaluation then runs
+against the benchmark's server before its sweep.
 """
 
 from __future__ import annotations
@@ -111,8 +109,7 @@ def main(spec_path: str) -> int:
 
 
 def run_stage(spec: dict, **shared) -> int:
-    """Run the stage `spec` names; its metrics (plus wall time and peak memory) go to spec["metrics"], a failure's
-    exit code and message to failed.json beside it. 0: done, 2: refused (StageError), 1: crashed."""
+    """Run the stage `spec` names; metrics go to spec["metrics"], a failure's exit code and message to failed.json beside it."""
     from quantpipe.envs import STAGES
     from quantpipe.stages import StageError
     from quantpipe.stages.contract import INPUTS, Upstream

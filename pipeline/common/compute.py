@@ -1,12 +1,8 @@
-"""The dtype torch computes in, for a model stored in a given dtype, on this machine.
-
-On a GPU, the model's own dtype. On a CPU, bfloat16 and float16 are fast only where oneDNN has kernels for
-them; elsewhere torch falls back to scalar code, and float32 is much faster (an AVX2 CPU: a bfloat16
-matmul ~50x slower than float32, a 135M model's forward pass ~6x). There the stages that compute with torch
-on the CPU (quantize's calibration, the hf evaluation) load the model in float32; the quantize stage writes
-its artifact in the model's dtype all the same, and both record the dtype they computed in. Pre-flight
-sizes those stages by the same rule.
-"""
+"""The dtype torch computes in for a model stored in a given dtype: the model's own on a GPU. On a CPU, bfloat16 and
+float16 are fast only where oneDNN has kernels for them; elsewhere torch falls back to scalar code (an AVX2 CPU: a
+bfloat16 matmul ~50x slower than float32, a 135M model's forward pass ~6x). There quantize's calibration and the hf
+evaluation load the model in float32 (quantize still writes its artifact in the model's dtype; both record the dtype
+they computed in), and pre-flight sizes them by the same rule."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def cpu_flags() -> set[str] | None:
 
 
 def half_is_fast(dtype: str) -> bool:
-    """True when this CPU has oneDNN kernels for `dtype` (bfloat16 or float16). Read from the CPU's flags on x86
-    (no torch import, so that pre-flight stays quick), else asked of torch."""
+    """True when this CPU has oneDNN kernels for `dtype`; on x86 read from the CPU flags, so pre-flight needs no torch."""
     flags = cpu_flags()
     if flags is not None:
         if "avx_ne_convert" in flags:

@@ -31,8 +31,7 @@ def md_cell(v) -> str:
 
 
 def fidelity_text(fid: dict) -> str:
-    """An evaluation's fidelity figures in words, each with its 95% interval, and what they rest on (report and model card):
-    "mean next-token KL divergence 0.0031 [0.0024, 0.0052], top-1 agreement 0.9300 [0.9100, 0.9500], ...; 2032 tokens ..."."""
+    """An evaluation's fidelity figures in words, each with its 95% interval, and what they rest on (report and model card)."""
 
     def figure(key: str, spec: str) -> str:
         v, ci = fid.get(key), fid.get(f"{key}_ci95")

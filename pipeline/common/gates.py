@@ -1,7 +1,5 @@
-"""Release gates: an artifact's evaluation figures against the recipe's `evaluation.gates`.
-
-Light (no heavy imports): the runner, the package stage and the report all apply the same rule.
-"""
+"""Release gates: an artifact's evaluation figures against the recipe's `evaluation.gates`. Light (no heavy imports), so
+the runner, the package stage and the report all apply the same rule."""
 
 from __future__ import annotations
 
@@ -12,17 +10,12 @@ if TYPE_CHECKING:
 
 
 def check_gates(gates: Gates, metrics: dict) -> list[str]:
-    """Sentences naming each gate the metrics fail; [] when all pass (and for the baseline itself).
-
-    A gate is checked on the 95% interval's bound, so an artifact passes only when the whole interval lies on
-    the right side of it: min_recovery and min_recovery_per_task on the recovery's lower bound (the paired
-    bootstrap), max_kl on the KL's upper bound and min_top1_agreement on the agreement's lower bound (the
-    bootstrap over windows). Where a figure has no interval its estimate is compared, and a failure says so.
-    min_recovery applies to every compared task metric (validation included); an entry of
-    min_recovery_per_task replaces it for that task. A gate that cannot be checked (no comparison,
-    recovery undefined because the baseline scored 0, no fidelity figures) fails: a release gate
-    must not pass by default.
-    """
+    """Sentences naming each gate the metrics fail; [] when all pass (and for the baseline itself). A gate is checked on
+    the 95% interval's bound, so an artifact passes only when the whole interval is on the right side: recovery's lower
+    bound (paired bootstrap), the KL's upper and the top-1 agreement's lower bound (bootstrap over windows); without an
+    interval the estimate is compared, and a failure says so. min_recovery covers every compared task metric (validation
+    included) unless min_recovery_per_task names the task. A gate that cannot be checked (no comparison, recovery undefined
+    because the baseline scored 0, no fidelity figures) fails: a release gate must not pass by default."""
     if not metrics or metrics.get("artifact") in (None, "baseline"):
         return []
     failures: list[str] = []
@@ -68,8 +61,8 @@ def check_gates(gates: Gates, metrics: dict) -> list[str]:
 
 
 def _bound_fails(figure: str, value: float, ci, n_text: str, side: str, gate: str, limit: float, spec: str) -> str | None:
-    """The failure sentence of a gate checked on the interval's `side` bound ("lower": at least `limit`; "upper": at
-    most), or on the estimate where there is no interval; None when it passes."""
+    """The failure sentence of a gate on the interval's `side` bound ("lower": at least `limit`), or on the estimate
+    where there is no interval; None when it passes."""
 
     def worse(v: float) -> bool:
         return v > limit if side == "upper" else v < limit

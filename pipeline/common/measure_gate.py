@@ -1,17 +1,12 @@
-"""How a benchmark that shares its GPU (run/schedule.py) gets the GPU to itself for what it measures.
+"""How a benchmark that shares its GPU (run/schedule.py) gets the GPU to itself for what it measures. The runner hands the
+stage's worker a folder in `QUANTPIPE_MEASURE_GATE`; before each measured stretch (a server's warm-up and runs, the
+offline benchmarks) the stage creates `want-N` and waits for `go-N`, which the runner creates once every other stage on
+that GPU is idle, and the runner starts nothing there until the stage creates `done-N`. Without the variable (a GPU of
+its own, a host without GPUs, a stage run by hand) `measuring()` goes on at once. Folder names carry the runner's pid,
+so that the next run removes those of a runner that died.
 
-The runner hands the stage's worker a folder in `QUANTPIPE_MEASURE_GATE`. Before each measured stretch (a
-server's warm-up and runs, the offline benchmarks) the stage creates `want-N` and waits for `go-N`; the
-runner creates `go-N` once every other stage on that GPU is idle, and starts nothing there until the stage
-creates `done-N`. Without the variable (a GPU of its own, a host without GPUs, a stage run by hand)
-`measuring()` goes on at once.
-
-    with measuring() as gate:      # stage side
-        ...                        # gate["waited_s"]: how long it waited for the GPU
-    n, state = latest(folder)      # runner side: (0, "") | (N, "want" | "go" | "done")
-
-The runner names each folder with its pid (`new_folder`), so that the next run removes those of a runner that died
-(`sweep`).
+    with measuring() as gate:  # gate["waited_s"]: how long it waited for the GPU
+        ...
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What each quantization method is, in one table: its compressed-tensors scheme, whether it needs
-calibration data, its weight bits and group size, and the calibration state that pre-flight sizes.
-
-The quantize stage builds its modifiers from the artifact; everything else that must know a method
-(pre-flight, recipe checks, reports) reads it here.
-"""
+"""What each quantization method is, in one table: its compressed-tensors scheme, whether it needs calibration data, its
+weight bits and the calibration state that pre-flight sizes. The quantize stage builds its modifiers from the artifact;
+everything else that must know a method (pre-flight, recipe checks, reports) reads it here."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ class Method:
     scheme: Callable  # artifact -> compressed-tensors preset name
     calibrated: Callable  # artifact -> needs calibration data
     weight_bits: Callable  # artifact -> bits per quantized weight
-    hessians: bool = False  # GPTQ keeps in x in fp32 Hessians per Linear of a layer
+    hessians: bool = False  # GPTQ keeps an fp32 in_features x in_features Hessian per Linear of a layer
     activation_cache: bool = False  # AWQ caches the layer's activations in fp32
 
 

@@ -1,9 +1,6 @@
-"""What vLLM can serve on this machine, and the engine arguments quantpipe gives it.
-
-Used by the benchmark stage and by the evaluate stage's vllm backend (and the package stage's serve
-command), so that both decide servability and engine flags the same way. `probe_platform` imports
-vLLM (serve environment only); everything else is light.
-"""
+"""What vLLM can serve on this machine, and the engine arguments quantpipe gives it, so that the benchmark stage, the
+evaluate stage's vllm backend and the package stage's serve command decide servability and engine flags the same way.
+Only `probe_platform` imports vLLM (serve environment); everything else is light."""
 
 from __future__ import annotations
 
@@ -86,8 +83,7 @@ def unservable_reason(scheme: dict | None, method: str, plat: dict) -> str | Non
 
 
 def variant_engines(inp: BenchmarkInput | PackageInput | Recipe) -> list[tuple[str, Engine]]:
-    """("default", inp.benchmark.engine), then each variant: that engine updated with the variant's set fields
-    (`inp`: anything with a `benchmark` section, such as the benchmark or package stage's input)."""
+    """("default", inp.benchmark.engine), then each variant: that engine updated with the variant's set fields."""
     base = inp.benchmark.engine
     out = [("default", base)]
     for v in inp.benchmark.variants:

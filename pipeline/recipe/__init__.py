@@ -1,9 +1,6 @@
-"""The recipe: one strict schema for everything `quantpipe run` does.
-
-A recipe is YAML read safely (a key written twice is an error), validated by the pydantic v2 models
-of `schema.py` and `methods.py` (unknown keys are errors), with relative paths resolved against the
-recipe file's folder (`load.py`). `quantpipe schema` prints the JSON schema; `quantpipe check RECIPE`
-validates without running anything, the files it names included (`quantpipe.inputs`):
+"""The recipe: one strict schema for everything `quantpipe run` does. YAML read safely (a key written twice is an
+error), validated by the pydantic v2 models of `schema.py` and `methods.py`, relative paths resolved against the
+recipe's folder (`load.py`). `quantpipe check` validates without running, the files it names included:
 
     quantpipe check recipes/demo.yaml
 """

@@ -1,7 +1,5 @@
-"""Reading a recipe file: YAML (safe, no key written twice), paths resolved against the recipe's folder, the schema, the files it names.
-
-Every problem becomes one RecipeError whose message names the field and the fix; pydantic's own
-messages are rendered as `field: message` lines:
+"""Reading a recipe file: safe YAML (no key written twice), paths resolved against the recipe's folder, the schema, the
+files it names. Every problem becomes one RecipeError naming the field and the fix (pydantic's as `field: message`):
 
     from quantpipe.recipe import load
     recipe = load("recipes/demo.yaml")   # RecipeError: recipes/demo.yaml: 1 problem(s) in the recipe: ...
@@ -52,8 +50,7 @@ def _read_yaml(text: str, source: str) -> Any:
     """yaml.safe_load, refusing a key written twice in one mapping (PyYAML would keep the last one silently)."""
     loader = yaml.SafeLoader(text)
     try:
-        # safe_load only: no Python objects; the size cap bounds alias bombs' input, and the composed
-        # document is checked (`_check_size`) before anything expands further.
+        # SafeLoader: no Python objects; MAX_RECIPE_BYTES bounds an alias bomb's input, `_check_size` its expansion
         node = loader.get_single_node()
         if node is None:
             return None

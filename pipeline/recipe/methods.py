@@ -1,9 +1,7 @@
 """The quantization methods a recipe's `artifacts` may use: one pydantic model per method, discriminated on `method`.
-
-Each model holds only what its method takes, with llm-compressor's usual defaults; options that a
-legacy backend (autoawq, gptqmodel) cannot honour are refused here rather than ignored. What needs
-the model's config.json (a group size that does not divide a layer's width) is checked in
-`quantpipe.fit`, before anything runs:
+Each holds only what its method takes, with llm-compressor's usual defaults; options a legacy backend (autoawq,
+gptqmodel) cannot honour are refused rather than ignored. What needs the model's config.json (a group size that does
+not divide a layer's width) is checked in `quantpipe.fit`:
 
     from quantpipe.recipe import GPTQ
     GPTQ(name="gptq", method="gptq", group_size=64)
@@ -114,8 +112,7 @@ class GPTQ(_Artifact):
     @model_validator(mode="after")
     def _gptqmodel_options(self):
         if self.backend == "llm-compressor" and self.actorder == "group":
-            # llm-compressor 0.14 (compressed-tensors 0.19) reorders by weight only: apply_activation_ordering raises
-            # "Only 'weight' and 'static' are supported for GPTQ" inside oneshot
+            # llm-compressor 0.14 reorders by weight only (apply_activation_ordering raises inside oneshot)
             raise ValueError("actorder group is not supported by llm-compressor's GPTQ (it takes static, i.e. weight, or none): "
                              "use actorder: static, or backend: gptqmodel, which still has it")
         if self.backend == "gptqmodel":

@@ -1,8 +1,6 @@
 """The recipe's schema: pydantic v2 models, strict (unknown keys are errors), with the defaults a user would pick.
-
-Everything here is checked from the recipe alone; what needs the files it names (their rows, the
-model's config.json, lm-eval's task index) is checked by `quantpipe.inputs` before anything runs.
-The quantization methods live in `methods.py`. `quantpipe schema` prints the JSON schema:
+Checked from the recipe alone; what needs the files it names (their rows, the model's config.json, lm-eval's task
+index) is checked by `quantpipe.inputs`. Methods: `methods.py`. `quantpipe schema` prints the JSON schema:
 
     from quantpipe.recipe import Recipe
     Recipe.model_validate({"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]})

@@ -68,9 +68,8 @@ def last_good(run_dir: Path, record: dict) -> Path:
 
 
 def compare_runs(run_a: Path, run_b: Path | None, against: str | None = None, latency_threshold: float = LATENCY_THRESHOLD) -> dict:
-    """Compare run A (the candidate) with run B (the reference, or A's last good run). A change counts as a
-    regression only beyond the noise: accuracy recovery below the reference by more than the wider 95% CI
-    half-width; a latency up (or a throughput down) by more than `latency_threshold` on the same hardware."""
+    """Compare run A (candidate) with run B (reference, or A's last good run). A regression is beyond the noise only:
+    recovery down by over the wider 95% CI half-width; speed worse by over `latency_threshold`, same hardware only."""
     rec_a, dir_a = load_run(run_a)
     if run_b is None:
         if against != "last-good":

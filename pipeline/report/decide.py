@@ -1,12 +1,8 @@
-"""Which artifact to ship: the recommendation rule, its runner-up and what separates them.
-
-The rule (README, "Reading the report"): among the artifacts that pass every gate (and whose stages all
-completed), the one with the highest goodput at the SLO. Two figures tie when they are within each
-other's noise: the wider of their 95% intervals where the figures carry one, else the 10% run-to-run
-threshold that `quantpipe compare` uses for speed. Among tied artifacts the better fidelity wins (lower
-KL vs the baseline, then higher top-1 agreement), then the smaller size. Without an SLO, or when no
-passing artifact meets it, throughput takes goodput's place; when nothing passing was benchmarked, the
-worst task's accuracy recovery does (its interval is the evaluate stage's paired bootstrap CI).
+"""Which artifact to ship: the recommendation rule (README, "Reading the report"), the runner-up, what separates them.
+Among artifacts that pass every gate with all stages complete, the highest goodput at the SLO wins. Figures within
+each other's noise tie (the wider 95% interval, else compare's 10% speed threshold); a tie goes to the better fidelity
+(lower KL, then higher top-1 agreement), then the smaller size. Without an SLO, or when no passing artifact meets it,
+throughput ranks instead; when nothing passing was benchmarked, the worst task's accuracy recovery does.
 
     recommend(summary["rows"], summary["slo"])["sentence"]
 """

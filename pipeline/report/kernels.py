@@ -1,10 +1,7 @@
 """Which kernels vLLM served an artifact with, read from its server log, so a speed figure can be read against them.
-
-vLLM names its choice as it loads the model: "Selected CutlassFP8ScaledMMLinearKernel for
-CompressedTensorsW8A8Fp8", "Using MacheteLinearKernel for CompressedTensorsWNA16", "Using FLASH_ATTN
-attention backend out of potential backends: [...]"; on a GPU without FP8 compute it says that it falls
-back to weight-only FP8 through Marlin. The benchmark stage keeps each server's log in its output
-(`variants.<name>.log`, e.g. logs/server-default.log); the report reads it from the stage's cache entry.
+vLLM names them as it loads the model ("Selected CutlassFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8", "Using
+FLASH_ATTN attention backend", weight-only FP8 through Marlin on a GPU without FP8 compute). The report reads the log
+from the benchmark stage's cache entry (its metrics' `variants.<name>.log`, e.g. logs/server-default.log).
 
     parse_server_log(Path("logs/server-default.log").read_text())
     # {"linear": [{"kernel": "CutlassFP8ScaledMMLinearKernel", "family": "CUTLASS", "scheme": "CompressedTensorsW8A8Fp8"}], "attention": "FLASH_ATTN"}

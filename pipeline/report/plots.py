@@ -154,8 +154,7 @@ KIND_COLOURS = {"merge": "#8c6d31", "quantize": "#3182bd", "evaluate": "#31a354"
 
 
 def _timeline(summary: dict, plt):
-    """A Gantt chart of the stages that ran, one lane per GPU (and one for stages on no GPU), stages that overlap on a
-    lane drawn on rows of their own; None if nothing ran."""
+    """Gantt chart of the stages that ran: a lane per GPU (and one for CPU), overlapping stages on separate rows."""
     ran = [s for s in summary.get("stages") or [] if s.get("start_s") is not None and s.get("end_s") is not None and s.get("cache") != "hit"]
     if not ran:
         return None

@@ -22,7 +22,7 @@ def _metrics(record: dict, step: str) -> dict:
 
 
 def _d(x) -> dict:
-    """x if it is a dict, else {}: the record is written by several stages; a malformed part must not sink the report."""
+    """x if it is a dict, else {} (several stages write the record)."""
     return x if isinstance(x, dict) else {}
 
 
@@ -64,8 +64,7 @@ def _workload(record: dict) -> dict:
 
 
 def _serve_rows(bench: dict, workload: str | None) -> tuple[str | None, dict]:
-    """(variant, {concurrency: result}) for the table: the variant the benchmark found best (else the first
-    measured), on the recipe's first workload."""
+    """(variant, {concurrency: result}) of the benchmark's best variant (else the first measured) on `workload`."""
     results = [r for r in _l(bench.get("results")) if isinstance(r, dict)]
     if not results:
         return None, {}
@@ -96,8 +95,7 @@ def _ci(c: dict):
 
 
 def _recovery_halfwidth(c: dict) -> float | None:
-    """Half-width of a comparison's 95% CI in recovery units. The CI is on the recovery when it brackets
-    it; otherwise it is on the score and is divided by the baseline score."""
+    """Half-width of the 95% CI in recovery units: the CI is on the recovery if it brackets it, else on the score."""
     ci, rec, base = c.get("ci95"), c.get("recovery"), c.get("baseline")
     if ci is None:
         n, p = c.get("n"), c.get("value")

@@ -154,8 +154,7 @@ def _recovery_interval(c: dict, hw: float) -> list[float]:
 
 
 def _best_row(bench: dict, best: dict) -> dict:
-    """The result row of the point the benchmark found best (its variant and concurrency on the first workload, or the
-    goodput search's probe there)."""
+    """The result row of the benchmark's best point (its variant and concurrency, or the goodput search's probe)."""
     found = _l(_d(bench.get("goodput_search")).get("rows")) if best.get("search") else _l(bench.get("results"))
     rows = [r for r in found if isinstance(r, dict) and _int(r.get("concurrency")) == _int(best.get("concurrency"))
             and (best.get("search") or _s(r.get("variant")) == _s(best.get("variant")))]
@@ -190,8 +189,7 @@ def _first_line(text, limit: int = 200) -> str | None:
 
 
 def quality_axis(rows: list[dict]) -> str:
-    """"recovery", or "kl_mean" when every artifact's recovery ties with every other's within their CIs (the task scores
-    cannot separate them) and at least two artifacts have a KL figure to separate them by."""
+    """"recovery", or "kl_mean" when all artifacts' recoveries tie within their CIs and two or more have a KL figure."""
     arts = [r for r in rows if not r["baseline"] and r["recovery"] is not None]
     kls = [r for r in rows if not r["baseline"] and r["kl_mean"] is not None and r["kl_mean"] > 0]
     if len(arts) >= 2 and len(kls) >= 2 and all(ties(a, b, "recovery") for a in arts for b in arts):

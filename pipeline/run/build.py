@@ -1,10 +1,6 @@
 """Building stage entries for the runner: one stage's worker, or an evaluation and its benchmark from one worker.
-
-Each build runs `worker.py` in the stage's environment, in its own process group (run/process.py), and
-commits its output to the stage cache atomically. A joint job (`build_joint`) runs an artifact's evaluate and
-benchmark stages in one worker in the serve environment: the benchmark's server, once healthy, answers the
-evaluation (vLLM's OpenAI API), and is then measured; each stage keeps its own key and entry, so changing
-only `benchmark:` redoes the benchmark alone, and the reverse.
+In a joint job (`build_joint`) the benchmark's server, once healthy, answers the evaluation (vLLM's OpenAI API) and is
+then measured; each stage keeps its own key and entry, so changing only `benchmark:` redoes the benchmark alone.
 
     builder = Builder(runner)
     marker = builder.build(step, base_dir, run_dir, grant)
@@ -65,9 +61,8 @@ class Builder:
 
     def build_joint_locked(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, forced: dict, state: dict,
                            on_eval=None) -> dict:
-        """Under both entries' locks, the evaluation `e` and its benchmark `b` as one job: {stage id: (marker, state) or
-        StageFailed}; where another run built one of them meanwhile, the other on its own. `on_eval((marker, state))`:
-        called as soon as the evaluation is committed, while the benchmark goes on (what reads it may start)."""
+        """Under both locks, evaluation `e` and benchmark `b` as one job ({stage id: (marker, state) or StageFailed}),
+        or each alone where another run built one meanwhile. `on_eval` gets the evaluation's result once committed."""
         for s in (b, e):
             self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.r.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.r.cache.entry(e.id, e.key)) + ".lock"):

@@ -1,5 +1,4 @@
-"""Where a run's inputs and cache live: the base model's local directory (a hub id fetched where a network
-allows) and the stage cache's root."""
+"""The base model's local directory (a hub id is fetched where a network allows) and the stage cache's root."""
 
 from __future__ import annotations
 

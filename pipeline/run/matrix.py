@@ -1,12 +1,8 @@
 """Several recipes in one `quantpipe run`: one shared stage cache, one report per recipe, one index of the whole matrix.
-
-Every recipe is planned and pre-flighted (with Ray, every node is checked too) before anything is written, so
-a bad recipe or a node that cannot run the plan refuses the whole call; then the recipes run, one after
-another with the local executor, side by side with Ray. An entry two recipes share (the merge of a common
-base and adapter, its baseline evaluation) is built once: the other recipe reuses it. The index,
-`matrix.json` and `matrix.html` in --matrix-dir (default: the output directories' common parent), says per
-recipe which run it was, its status, the artifact its report recommends, every artifact's gate, what it
-reused from the others, and the regressions against its last good run (`quantpipe compare --against last-good`).
+Every recipe is planned and pre-flighted (with Ray, every node is checked too) before anything is written, so a bad
+recipe or node refuses the whole call; then the recipes run, one after another locally, side by side with Ray. An entry
+two recipes share (the merge of a common base and adapter, its baseline evaluation) is built once. The index goes to
+--matrix-dir (default: the output directories' common parent).
 
     quantpipe run recipes/*.yaml --executor ray --cache /shared/quantpipe-cache     # the nightly matrix
 """

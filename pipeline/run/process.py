@@ -1,8 +1,6 @@
-"""Running a stage's worker: its own process group, its log (secrets redacted), its time limit, its signals.
-
-The worker ends its group when the runner dies (PR_SET_PDEATHSIG in pipeline/worker.py); here a stage
-that runs past its limit gets SIGTERM, then SIGKILL after 15 s, and anything left in its group goes too.
-"""
+"""Running a stage's worker: its own process group, its log (secrets redacted), its time limit, its signals. A stage
+past its limit gets SIGTERM, then SIGKILL after 15 s, with anything left in its group; the worker ends its group
+itself when the runner dies (PR_SET_PDEATHSIG in pipeline/worker.py)."""
 
 from __future__ import annotations
 
@@ -70,8 +68,7 @@ class Processes:
         self.watch = None  # the console's live status (quantpipe.console.LiveStatus): begin/line/end per stage log
 
     def spawn(self, cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict | None = None, paused=None) -> int | None:
-        """Run a stage worker in its own process group; its exit code, or None if it ran past `timeout_s`, not counting
-        the time during which `paused()` held (a benchmark waiting for its turn on a shared GPU)."""
+        """Exit code, or None past `timeout_s`, not counting time while `paused()` holds (a queued benchmark)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "QUANTPIPE_RUNNER_PID": str(os.getpid()), **(extra_env or {})}
         env.setdefault("TMPDIR", str(self.tmpdir))
         Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
@@ -131,8 +128,7 @@ class Processes:
 
 
 def _segments(stream):
-    """The stream's output cut after each newline or carriage return (a progress bar redraws itself with \\r),
-    so that a bar is seen as it moves; the pieces, joined, are the output byte for byte."""
+    """Output cut after each \\n or \\r, so a progress bar is seen as it moves; the pieces join to it byte for byte."""
     buf = b""
     read = stream.read1 if hasattr(stream, "read1") else stream.readline
     while chunk := read(65536):

@@ -1,13 +1,8 @@
 """Stages as Ray tasks: `--executor ray` hands each stage to a Ray cluster instead of this host's scheduler.
-
-The driver (`quantpipe run`) plans, reads the cache and writes the run records; each stage to build becomes
-one Ray task that asks for what the local scheduler would grant (a benchmark: whole GPUs; quantize and
-evaluate: a GPU fraction sized from the pre-flight estimate; every stage: its RAM estimate as Ray `memory`;
-on a cluster without GPUs a whole node, as the local executor runs one CPU stage at a time). On its node the
-task takes the entry's lock, builds in a fresh working folder beside the entry, and commits it there, so the
-cache must be storage every node mounts at the same path (checked at start by a probe each node writes).
-A node that is lost mid-stage (its raylet gone) ends its attempt uncommitted; Ray runs the task again
-elsewhere (max_retries) and that attempt clears the dead one's folder under the same lock.
+The driver plans, reads the cache and writes the run records; each stage to build is one Ray task asking for what the
+local scheduler would grant (`RayCluster.request`). On its node the task takes the entry's lock, builds beside the entry
+and commits there, so the cache must be storage every node mounts at the same path (ray_probe.py checks). A task whose
+node is lost ends uncommitted; Ray runs it again elsewhere (max_retries), and that attempt clears the dead one's folder.
 
     ray start --head --num-gpus 1 && quantpipe run recipes/*.yaml --executor ray --address auto
 """
@@ -354,8 +349,7 @@ class RayStages:
                 pass
 
     def stop_all(self) -> None:
-        """Stop this recipe's running tasks: each stops its stage and removes its working folder; what is still running
-        after 20 s Ray kills (its stage dies with it; the entry's next build removes its folder)."""
+        """Ask this recipe's tasks to stop and clean up; Ray kills the rest after 20 s (the next build clears them)."""
         self.signal_all(None)
         refs = list(self.refs.values())
         if refs:

@@ -1,8 +1,6 @@
 """The node side of `--executor ray`: the task that builds a cache entry where Ray placed it, and the start-up probe.
-
-A task takes the entry's lock (the same one the local runner takes), builds in a fresh working folder beside the
-entry and commits it, as the local runner does; it ends its attempt uncommitted if its node's raylet dies.
-Imported by Ray's workers on every node (by reference: the same checkout must be there; the probe checks it).
+A task takes the entry's lock (the local runner's too), builds beside the entry and commits, as the local runner does,
+and ends its attempt uncommitted if its node's raylet dies. Each node loads it from a checkout at the driver's path.
 
     ray.remote(run_stage).options(num_gpus=0.25, memory=4 << 30).remote(job)   # run/ray_executor.py builds `job`
 """
@@ -82,9 +80,8 @@ def probe(job: dict) -> dict:
 
 
 def _watch(procs: Processes, work: Path, cancel: Path) -> tuple[threading.Event, threading.Event]:
-    """End this attempt, uncommitted, if the node's raylet (this worker's parent) dies: Ray counts the node lost and runs
-    the task elsewhere, while a worker left behind would go on writing the shared cache beside the new attempt. Stop the
-    stage when the driver asks (`cancel` appears: Ctrl-C), so that the attempt ends failed and cleans up after itself."""
+    """End this attempt uncommitted if the raylet (this worker's parent) dies: Ray reruns the task elsewhere, and a
+    worker left behind would write the shared cache beside it. Stop the stage when `cancel` appears (Ctrl-C)."""
     parent, done, lost = os.getppid(), threading.Event(), threading.Event()
 
     def watch():
@@ -114,9 +111,8 @@ def _uncap_threads() -> None:
 
 
 def run_stage(job: dict) -> dict:
-    """One attempt at one entry, on the node Ray chose: lock, build in a fresh folder, commit; the same as the local runner.
-    `job["joint"]` names a second entry (an evaluation its benchmark's server answers) built by the same worker, both
-    locks held; its outcome comes back under "joint". "split": one of the two was built meanwhile, build each alone."""
+    """One attempt at one entry where Ray placed it: lock, build in a fresh folder, commit. `job["joint"]`: an
+    evaluation built by the same worker under both locks, reported under "joint"; "split": one was built meanwhile."""
     import ray
 
     nid = ray.get_runtime_context().get_node_id()

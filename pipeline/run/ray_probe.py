@@ -1,7 +1,5 @@
-"""The driver's start-up check of a Ray cluster: one probe task per node (ray_node.probe) before anything is written.
-
-Every node must see each stage cache (a probe file each way), honour its locks, and hold the same environments
-and stage code as the driver; a node that does not is refused by its address.
+"""The driver's start-up check of a Ray cluster, before anything is written: a probe task per node (ray_node.probe).
+A node that cannot see each stage cache, honour its locks, or match the driver's environments and stage code is refused.
 
     check_nodes(cluster, [cache_root], {"quantize", "serve"}, {"merge", "quantize"})   # RunError naming the node
 """
@@ -24,8 +22,7 @@ PACKAGE = str(Path(__file__).resolve().parents[1])  # this checkout's quantpipe:
 
 
 def check_nodes(c, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
-    """Every node must see each cache (a probe file each way), honour its locks, and hold the same environments and
-    stage code as this driver: a node that does not is refused by its address, before anything is written."""
+    """Probe every node for these caches, environments and stage kinds (a probe file each way), unless done already."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     want = ({str(x) for x in caches}, set(envs), set(kinds))

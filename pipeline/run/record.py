@@ -41,8 +41,7 @@ def index_run(out_dir: Path, record: dict, run_dir: Path) -> None:
 
 
 def close_dead_runs(out_dir: Path, this_run: Path, secret_values: list[str]) -> None:
-    """Records still "running" belong to runs that died without closing them (kill -9, power loss):
-    this run holds the output directory's lock, so none of them is alive. Mark them killed and index them."""
+    """Mark other runs' "running" records killed and index them: this run holds the output lock, so those runs died."""
     for path in sorted((out_dir / "runs").glob("*/run.json")):
         if path.parent == this_run:
             continue

@@ -1,11 +1,9 @@
-"""The runner: plans a recipe's stages once, reuses cached ones, runs the rest, records the run.
-
-Order: merge once; the unquantized merged model is the `baseline` that is evaluated and benchmarked
-like every artifact; then per artifact quantize -> evaluate -> benchmark -> package; one report.
-Each stage runs as a subprocess (`worker.py`) in its environment, in its own process group (run/process.py), and
-its output is committed to the stage cache atomically (run/build.py). Under the vllm evaluation backend, an
-artifact's evaluate and benchmark stages that both need building run as one job, one server for both. A run
-writes `<output_dir>/runs/<run_id>/` (run.json, run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>` by an atomic symlink swap (run/publish.py).
+"""The runner: plans a recipe's stages once, reuses cached ones, runs the rest, records the run. Merge runs once;
+the unquantized merged model is the `baseline`, evaluated and benchmarked like every artifact; then per artifact
+quantize -> evaluate -> benchmark -> package. Each stage is a `worker.py` subprocess in its environment
+(run/process.py), committed atomically to the stage cache (run/build.py); under the vllm evaluation backend an
+artifact's evaluate and benchmark, when both need building, run as one job with one server. A run writes
+`<output_dir>/runs/<run_id>/` (run.json, run.log, logs/, report.*) and publishes `<output_dir>/packages/<artifact>`.
 
     quantpipe run recipes/demo.yaml --dry-run
 """
@@ -110,8 +108,7 @@ class Runner:
         return rows
 
     def run(self, force: set[str], kinds=None, artifacts=None, wait: bool = False) -> int:
-        """Plan (a hub model is fetched here, so a failed download writes nothing either), refuse a run that will
-        not fit before anything is written, then take the output directory's lock and run."""
+        """Plan (fetching a hub model, so a failed download writes nothing), refuse a run that cannot fit, lock, run."""
         base_dir, steps = self.plan(dry_run=False, kinds=kinds, artifacts=artifacts)
         self.procs.stopping = False
         todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
@@ -282,8 +279,7 @@ class Runner:
                     th.join(timeout=30)
 
     def _tend_gates(self, t_start: float) -> None:
-        """Shared benchmarks asking for their GPU alone (common/measure_gate.py): let one measure once every other
-        stage on its GPU is idle; note when each measured and when it was done."""
+        """Let each shared benchmark asking to measure (measure_gate.py) go once its GPU is otherwise idle."""
         for sid, g in list(self.scheduler.running.items()):
             if not g.gate:
                 continue
@@ -341,10 +337,8 @@ class Runner:
                 **({"placement": marker["placement"]} if "placement" in marker else {})}
 
     def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, early=None) -> list[dict]:
-        """An artifact's evaluation and benchmark from one process in the serve environment: the benchmark's server, once
-        healthy, answers the evaluation, then is measured (quantpipe.worker). Each keeps its own key and entry. The
-        evaluation's record goes to `early(step, record)` as soon as it is committed (what reads it may start), the
-        benchmark's is returned."""
+        """An artifact's evaluation and benchmark from one serve-environment process, each with its own key and entry.
+        `early(step, record)` gets the evaluation's record once committed, so what reads it may start."""
         forced = {s.id: _forced(s, force) for s in (e, b)}
         state = {sid: "forced" if f else "miss" for sid, f in forced.items()}
         sent = []

@@ -1,24 +1,9 @@
 """Which stages may run now: GPUs and memory handed out from the pre-flight estimates. Pure: no processes.
-
-- a benchmark gets its GPUs to itself for its whole length (nothing else on them, or its figures are not
-  worth publishing); on a host without GPUs it runs alone;
-- except a benchmark whose every engine sets `kv_cache_memory_bytes` (vLLM then sizes its KV cache from that,
-  not from the GPU's free memory at start-up, so other work on the GPU cannot change it): it shares its GPU,
-  packed by its `gpu_memory_utilization` share, while its server starts and answers its evaluation, and has
-  the GPU to itself only while it measures. Before its warm-up it waits (`wait_to_measure`) until every other
-  stage on its GPU is idle, that is waiting to measure too; from the moment it waits until it has measured
-  nothing starts on that GPU (measuring comes first: otherwise a steady stream of other work could hold it
-  off for the whole run). On a host without GPUs and `jobs` > 1 the host is that one GPU, and the OpenMP threads
-  of every stage but a benchmark sleep while they wait (`Grant.cpu_shared`, OMP_WAIT_POLICY=PASSIVE; why, and
-  what it measured: docs/architecture.md);
-- quantize and evaluate share GPUs, packed by their pre-flight GPU-memory estimates (their RAM estimate
-  where no GPU estimate exists, as on a host whose GPUs are simulated) onto the busiest GPU they fit, so
-  that other GPUs stay idle for benchmarks;
-- merge and package use no GPU; every stage counts against the RAM budget; `jobs` caps how many run.
-A benchmark starts on a GPU as soon as it is idle: the runner offers the quantize stages first (each begins
-the longest chain of stages), then the others in plan order, where the baseline's and each artifact's
-benchmark come before the stages planned after them. One stage always may start when
-nothing runs (pre-flight has already refused a stage that fits no GPU or not in RAM alone).
+A benchmark has its GPUs to itself (without GPUs, the host), or its figures are not worth publishing; one whose
+engines all set `kv_cache_memory_bytes` shares its GPU outside its measured runs, and once it waits to measure nothing
+new starts there, or a stream of other work could hold it off. Quantize and evaluate pack onto the busiest GPU they fit,
+keeping the others idle for benchmarks. A host without GPUs and `jobs` > 1 is shared like one GPU. One stage may always
+start when nothing runs (pre-flight refused any that fits nowhere). In full: docs/architecture.md, "Scheduling".
 
     sched = Scheduler(gpus("0,1"), ram_bytes=64 << 30, jobs=4)
     grant = sched.try_start("quantize:awq", "quantize", est)   # -> Grant(gpus=["0"]) or None
@@ -91,8 +76,7 @@ def gpus(select: str | None = None) -> list[Gpu]:
 
 
 def shares_gpu(bench) -> bool:
-    """A benchmark (`Benchmark` section) may share its GPU outside its measured runs: its engines size the KV cache
-    from `kv_cache_memory_bytes` (variants inherit it), not from what is free on the GPU when they start."""
+    """Its KV cache is sized by `kv_cache_memory_bytes` (variants inherit it), not by free GPU memory at start-up."""
     return bench.engine.kv_cache_memory_bytes is not None
 
 
@@ -121,8 +105,7 @@ class Scheduler:
         return gpu.total_bytes - sum(g.gpu_bytes for g in self._users(gpu.index))
 
     def try_start(self, sid: str, kind: str, est: dict | None, n_gpus: int = 1, share: bool = False) -> Grant | None:
-        """A grant if `sid` may start now, else None; `share`: a benchmark that may share its GPU outside its
-        measured runs (see the module docstring)."""
+        """A grant if `sid` may start now, else None; `share`: a benchmark that may share its GPU (module docstring)."""
         est = est or {}
         ram = int(est.get("ram_bytes") or 0)
         if len(self.running) >= max(1, self.jobs):
@@ -157,8 +140,7 @@ class Scheduler:
             g.phase, g.asked = "waiting", self.asks
 
     def try_measure(self, sid: str) -> bool:
-        """True, and `sid` measures, when every other stage on its GPU is idle (waiting to measure) and none of those
-        asked before it (first come, first measured: a newcomer never overtakes a benchmark that has been waiting)."""
+        """True, and `sid` measures, when every other stage on its GPU waits to measure and none of them asked first."""
         g = self.running[sid]
         if self.blockers(sid) or any(u.phase == "waiting" and u.asked < g.asked for u in self._beside(sid).values()):
             return False

@@ -1,10 +1,8 @@
-"""The stage contract: each stage's typed input and the records of its upstream stages.
-
-A stage is `run(inp, src, out, upstream) -> metrics`: `inp` is its slice of the recipe (the object
-whose hash, with every local path replaced by its content hash, is the stage's cache key), `src` its
-input directory, `out` the directory it writes, and `upstream` what the runner recorded for the
-stages it reads besides `src` (their output directory, key, wall time and metrics), by role. A stage
-never reads the recipe as a whole, the cache's layout or the environment of the runner.
+"""The stage contract: each stage's typed input and the records of its upstream stages. A stage is
+`run(inp, src, out, upstream) -> metrics`: `inp` is its slice of the recipe (the object whose hash, with every local path
+replaced by its content hash, is the stage's cache key), `src` its input directory, `out` the directory it writes, and
+`upstream` what the runner recorded for the other stages it reads (output directory, key, wall time, metrics), by role.
+A stage never reads the recipe as a whole, the cache's layout or the runner's environment.
 
     from quantpipe.run.plan import stage_input
     inp = stage_input("quantize", recipe, "gptq-w4", base_dir)

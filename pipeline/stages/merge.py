@@ -1,13 +1,10 @@
-"""Merge stage: fold the recipe's LoRA adapters into the base model, and prove the merge is exact.
-
-Every adapter is checked against the base before anything heavy loads (peft type, the modules it
-targets, the shapes in adapter_model.safetensors, the architecture it was trained on), so an adapter
-made for another model fails with a sentence naming it instead of a size-mismatch traceback. The
-merge runs in float32 with peft (`merge_and_unload`), several adapters scaled by their `weight`;
-then the logits of the merged model are compared with those of base + adapter (unmerged peft
-model) on a few fixed prompts. Output: safetensors in `inp.base.dtype`, tokenizer, chat template
-and generation config; never an adapter_config.json. Without adapters the base passes through as
-symlinks (no weights are copied). Run it alone through the CLI:
+"""Merge stage: fold the recipe's LoRA adapters into the base model, and prove the merge is exact. Every adapter is
+checked against the base before anything heavy loads (peft type, target modules, the shapes in adapter_model.safetensors,
+the architecture it was trained on), so an adapter made for another model fails with a sentence naming it instead of a
+size-mismatch traceback. The merge runs in float32 with peft (`merge_and_unload`), several adapters scaled by their
+`weight`, and the merged model's logits must match base + adapter (unmerged) on a few fixed prompts. Output: safetensors
+in `inp.base.dtype`, tokenizer, chat template and generation config, never an adapter_config.json; without adapters the
+base passes through as symlinks (no weights are copied).
 
     quantpipe run recipes/demo.yaml --stages merge
 """
@@ -26,11 +23,10 @@ from .contract import MergeInput, Upstream
 
 log = logging.getLogger(__name__)
 
-# Merged and unmerged logits may differ by float32 rounding only. peft computes W x + s·B(A x)
-# unmerged and (W + s·B A) x merged: the same sums reassociated, ~1e-7 relative per layer (measured
-# 4e-6 absolute on the tiny models, logits ~20). A tolerance of 1e-3 of the logit scale leaves three
-# orders of margin for deep models, and is still far below what a wrong merge gives (a dropped
-# scale, a transposed or missing delta moves logits by the adapter's own effect, order 0.1-10).
+# Merged and unmerged logits may differ by float32 rounding only: peft computes W x + s·B(A x) unmerged and (W + s·B A) x
+# merged, the same sums reassociated (~1e-7 relative per layer; 4e-6 absolute measured on the tiny models, logits ~20).
+# 1e-3 of the logit scale leaves three orders of margin for deep models and stays far below what a wrong merge gives
+# (a dropped scale, a transposed or missing delta moves logits by the adapter's own effect, order 0.1-10).
 MERGE_RTOL = 1e-3
 PROBE_TEXTS = (
     "The capital of France is Paris, and the capital of Italy is",

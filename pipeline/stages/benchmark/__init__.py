@@ -1,61 +1,12 @@
 """Benchmark stage: serve an artifact (or the baseline) with vLLM and measure it the way vLLM does.
 
-For each engine variant (`benchmark.engine`, then each of `benchmark.variants` laid over it) the stage
-starts the real OpenAI server (`vllm serve`, quantpipe.server) on 127.0.0.1, warms it up and runs
-vLLM's own serving benchmark (`vllm bench serve`) for every workload x concurrency (measure.py):
-random fixed-length prompts, the validation prompts with their lengths, and a shared-prefix workload
-whose prefix-cache hit rate shows what prefix caching buys (workloads.py). With `benchmark.offline`
-it also runs `vllm bench latency` and `vllm bench throughput` (offline.py). For the baseline of a
-recipe with adapters (and `benchmark.lora`) it serves the unmerged base with the adapters attached at
-request time and compares it with the merged baseline (engine.py, choose.py). An artifact this
-platform cannot serve is reported, not crashed on: decided up front from the checkpoint's scheme and
-the kernels vLLM loaded here, or taken from the log of a server that died (`servable: false`).
+Per engine variant it starts `vllm serve` (quantpipe.server), warms it up and runs `vllm bench serve` for
+every workload x concurrency (measure.py, workloads.py), optionally vLLM's offline benchmarks (offline.py)
+and, for a baseline with adapters, the unmerged base with LoRA attached (engine.py, choose.py). An artifact
+this platform cannot serve is reported (`servable: false` and why), not crashed on. The fields of
+out/results.json (the returned metrics) are listed in docs/outputs.md.
 
     quantpipe run recipes/demo.yaml --stages benchmark
-    run(stage_input("benchmark", recipe, "fp8", base_dir), artifact_dir, out, {})   # by hand, in the serve env
-
-out/results.json (the returned metrics are the same document):
-
-    artifact, method        name ("baseline" for the merged model) and quantization method ("none")
-    servable, reason        false + "not servable here: <why>" when no server could run the default engine
-    status_note             one line for the run log (the reason, or variants that failed), else null
-    platform, platform_info "cpu" | "cuda"; the device and the kernels vLLM loaded
-    engine, engine_notes    effective engine arguments of the default variant (the recipe's, plus dtype,
-                            kv_cache_memory_bytes on CPU...) and sentences on what quantpipe chose and why (and,
-                            on a GPU shared outside measured runs, that the start-up figures include that)
-    server_start_s          seconds from `vllm serve` to a healthy /health (default variant)
-    startup                 that start phase by phase from the server's log (stages/benchmark/startup.py)
-    shared_s                seconds the artifact's evaluation held that server before the warm-up (a joint job;
-                            null when the evaluation ran elsewhere)
-    served_path             the stable link the artifact was served through (quantpipe.serving_links)
-    results                 one row per variant x workload x concurrency: variant, workload, kind,
-        concurrency, num_prompts, completed, failed, duration_s, request_throughput (req/s),
-        output_throughput, total_token_throughput (tok/s), ttft_ms, tpot_ms, itl_ms, e2el_ms: {mean,
-        p50, p90, p99}, goodput (req/s meeting every SLO bound; null without an SLO), slo_met (p99s
-        within the SLO and no failed request; null without an SLO), input_tokens_mean,
-        output_tokens_mean, prefix_cache_hit_rate, preemptions, kv_cache_usage_peak (fraction),
-        running_peak, waiting_peak (peaks of the engine's 1 s stats lines), raw (vLLM's JSON, under out/)
-    variants                {name: {engine, engine_notes, servable, reason, server_start_s, memory, port, log,
-                            gate: {shared_gpu, waited_s} (how long the measured runs waited for the GPU alone)}}
-    memory                  default variant: weights_gib (on disk), weights_loaded_gib, kv_cache_tokens,
-                            kv_cache_gib, peak_rss_gib (the server's process tree) or peak_gpu_gib, and
-                            prefix_cache_hit_rate, preemptions, kv_cache_usage_peak over all runs
-    offline                 {latency_s_batch1, latency_s_p50, latency_s_p99, throughput_req_s,
-                            throughput_tok_s (prompt+output), throughput_output_tok_s, input_len,
-                            output_len, num_prompts, latency_wall_s, throughput_wall_s} or {"error": ...};
-                            null when benchmark.offline is false or nothing is servable
-    best                    {variant, concurrency, goodput, reason}: on the first workload, the point that
-                            meets the SLO with the most goodput (no SLO: the most req/s); variant null if none;
-                            `search: true` when it is the goodput search's point
-    goodput_search          null, or with `benchmark.goodput_search`: {workload, bound, concurrency (the highest
-                            within the SLO, null if none), goodput, goodput_ci95, from_sweep, probed, rows (one
-                            per probe, as results' rows, variant "search")}
-    lora                    null, or {servable, reason, adapters, engine, server_start_s, memory, port, log,
-                            results (variant "lora"), comparison: [{workload, concurrency,
-                            output_throughput_ratio, ttft_p50_ratio, tpot_p50_ratio}] (lora / merged), notes}
-    workloads               the workloads as measured (for validation: prompts used and dropped)
-    versions, hardware      vllm, torch, transformers, compressed-tensors; quantpipe.envs.hardware()
-    wall_s                  the stage's wall time
 """
 
 from __future__ import annotations

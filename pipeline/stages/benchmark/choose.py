@@ -1,9 +1,5 @@
-"""Choosing from the measured rows: the best (variant, concurrency) within the SLO, and LoRA served vs merged.
-
-    best = pick_best(rows, inp.benchmark)          # {variant, concurrency, goodput, goodput_ci95, reason}
-    c, probed = highest_within_slo(probe, {1: True, 16: False}, 64)   # bisection between known points
-    ratios = compare_lora(lora_rows, merged_rows)  # lora / merged, per workload x concurrency
-"""
+"""Choosing from the measured rows: the (variant, concurrency) with the most goodput within the SLO, the highest
+concurrency within it, and LoRA served at request time against the merged model."""
 
 from __future__ import annotations
 
@@ -39,10 +35,9 @@ def pick_best(rows: list[dict], bench: Benchmark) -> dict:
 
 
 def highest_within_slo(probe, known: dict[int, bool], bound: int, resolution: float = 0.1) -> tuple[int | None, list[int]]:
-    """The highest concurrency in [1, bound] at which the SLO holds, taking it to hold below any concurrency where it
-    holds: bisection between the highest known pass and the lowest known fail (`known`: concurrency -> SLO met, from the
-    sweep), each step `probe(c) -> bool`, until the two are within `resolution` of each other. Returns (that
-    concurrency or None when it fails even at 1, the concurrencies probed)."""
+    """The highest concurrency in [1, bound] at which the SLO holds (taken to hold below any concurrency where it holds),
+    by bisection with `probe(c) -> bool` between the highest pass and the lowest fail in `known` (concurrency -> SLO met)
+    until they are within `resolution`. Returns (that concurrency, None when it fails even at 1; the concurrencies probed)."""
     lo = max((c for c, ok in known.items() if ok and c <= bound), default=0)
     hi = min((c for c, ok in known.items() if not ok and c > lo), default=bound + 1)
     probed = []

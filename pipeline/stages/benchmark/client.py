@@ -1,23 +1,15 @@
-"""`vllm bench serve` runs from client processes that import vLLM's CLI before the measuring begins.
-
-A fresh `vllm bench serve` process spends 8-35 s importing vLLM before its first request, once per sweep point.
-Where runs fork (`fork_here`: CUDA hosts, where the forked runs were measured to agree with fresh ones), one
-client process imports the CLI once; each run is then a child forked from it that calls the CLI's own `main()`
-with the run's arguments, its output going to the run's log. The child is the CLI from argument parsing on (same
-parser, same request loop, same result file), a process of its own as a fresh CLI is; only the imports are shared.
-Elsewhere each run is a process of its own (`--once`): it imports the CLI, says it is ready, takes one run and
-exits, so it is a fresh `vllm bench serve` whose imports may happen earlier. The stage starts the first one
-beside the server's start (`start()`), so that its imports are not part of the stretch in which nothing else
-may run; later ones start when their run does, as a fresh CLI would. bench/bench_agreement.py measures both
-kinds against fresh `vllm bench serve` processes, and tests/test_benchmark.py runs it.
+"""`vllm bench serve` runs from client processes that import vLLM's CLI before the measuring begins: a fresh
+`vllm bench serve` spends 8-35 s importing vLLM before its first request, once per sweep point. Where runs fork
+(`fork_here`), one client process imports the CLI once and each run is a child forked from it that calls the CLI's own
+`main()` (same parser, request loop and result file; only the imports are shared). Elsewhere each run is a process of
+its own (`--once`) that imports the CLI, says it is ready, takes one run and exits; the stage starts the first one beside
+the server's start (`start()`), so that its imports fall outside the stretch in which nothing else may run.
+bench/bench_agreement.py measures both kinds against fresh `vllm bench serve` processes (tests/test_benchmark.py runs it).
+Run as a program (serve environment) this file is the client: one JSON request per line on stdin
+({"args": [...], "log": path}), one {"rc": N} per line on stdout; with `--once`, first a {"ready": true} line.
 
     with BenchClient(out / "logs" / "bench-client.log") as client:
-        client.start()  # optional: the first run's imports now
         client.run(["--host", "127.0.0.1", "--port", "8000", ...], out / "logs" / "bench-fixed-c4.log")  # exit code
-
-Run as a program (in the serve environment) it is the client itself: one JSON request per line on stdin
-({"args": [...], "log": path}), one {"rc": N} per line on stdout; with `--once`, first a {"ready": true} line,
-then one request.
 """
 
 from __future__ import annotations
@@ -52,10 +44,9 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
 
 
 def fork_here() -> bool:
-    """Whether runs fork from the client here: on a CUDA host, where the forked runs' figures agree with fresh
-    `vllm bench serve` processes within 2 % (an 8B on an H200, docs/BENCHMARKS.md). On a CPU the client and the
-    server share a few cores, and there forked runs read up to 15 % more throughput than fresh processes in paired
-    rounds: each run is then a fresh `vllm bench serve` process, as a user would start it."""
+    """True on a CUDA host, where forked runs agree with fresh `vllm bench serve` processes within 2 % (an 8B on an H200,
+    docs/BENCHMARKS.md). On a CPU the client shares the server's few cores and forked runs read up to 15 % more
+    throughput in paired rounds, so there each run is a fresh process, as a user would start it."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cuda_alike()

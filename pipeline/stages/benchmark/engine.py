@@ -1,8 +1,7 @@
-"""The engine arguments each server of the benchmark stage gets, and the LoRA set-up of the baseline's comparison.
-
-The recipe's engine arguments go to vLLM as given; quantpipe adds the model's dtype, trust_remote_code
-when the recipe asks for it and, on CPU, the KV-cache size vLLM's CPU worker needs (sized for the
-longest workload at the highest concurrency, within a quarter of the free memory).
+"""The engine arguments each benchmark server gets, and the LoRA set-up of the baseline's comparison. The recipe's engine
+arguments go to vLLM as given, plus the model's dtype, trust_remote_code when the recipe asks for it and, on CPU, the
+KV-cache size vLLM's CPU worker needs (the longest workload at the highest concurrency, within a quarter of the free
+memory).
 
     engine, notes = effective_engine(inp.benchmark.engine, inp, model_dir, probe_platform(), need_len=96)
 """
@@ -24,8 +23,7 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values 
 
 
 def effective_engine(engine: Engine, inp: BenchmarkInput, model_dir: Path, plat: dict, need_len: int) -> tuple[dict, list[str]]:
-    """The engine arguments a server gets: the recipe's, plus dtype and, on CPU, a KV-cache size (from `inp`: the base's
-    dtype and trust_remote_code, the benchmark's concurrency)."""
+    """The engine arguments a server gets (the recipe's, plus those named above), and notes on what was set."""
     e = {k: v for k, v in engine.model_dump().items() if v is not None and v != []}
     notes = []
     e = {"dtype": inp.base.dtype, **e}

@@ -1,8 +1,7 @@
-"""Measuring one server: warm-up, a `vllm bench serve` run per workload x concurrency, and the engine's own stats.
-
-Before each run the prefix cache is reset, so runs do not feed each other's caches; around it the
-server's Prometheus /metrics give prefix-cache hits and preemptions, and the engine's stats lines in
-the server log (every STATS_INTERVAL_S) give KV-cache usage and running/waiting requests.
+"""Measuring one server: warm-up, a `vllm bench serve` run per workload x concurrency, and the engine's own stats. The
+prefix cache is reset before each run, so runs do not feed each other's caches; around each run the server's Prometheus
+/metrics give prefix-cache hits and preemptions, and its log's stats lines (every STATS_INTERVAL_S) KV-cache usage and
+running/waiting requests.
 
     rows, totals = measure(srv, inp.benchmark, "default", workloads, data, tokenizer, out)
 """
@@ -61,8 +60,7 @@ def bench_serve_args(srv: Server, w: Workload, data: dict | None, concurrency: i
 
 
 def vllm_bench_serve(client: BenchClient, args: list[str], log_path: Path) -> None:
-    """Run `vllm bench serve ARGS`, vLLM's own CLI, through `client` (client.py: forked from one process that imported
-    the CLI once on a CUDA host, a fresh process elsewhere), output in `log_path`."""
+    """Run `vllm bench serve ARGS`, vLLM's own CLI, through `client` (see client.py), output in `log_path`."""
     rc = client.run(args, log_path)
     if rc != 0:
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
@@ -136,9 +134,8 @@ _STATS_LINE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, (?:GPU|CPU|
 
 
 def engine_stats(log_segment: str) -> dict:
-    """Peaks of the engine's periodic stats lines (logged every VLLM_LOG_STATS_INTERVAL s) in a piece of the server log.
-    Read from the log rather than by polling /metrics during the run: rendering /metrics (~50 KB) runs on the API
-    server's event loop, the one that streams the tokens being timed."""
+    """Peaks of the engine's periodic stats lines in a piece of the server log. Read from the log, not by polling /metrics
+    during the run: rendering /metrics (~50 KB) runs on the API server's event loop, which streams the tokens being timed."""
     found = _STATS_LINE.findall(log_segment)
     if not found:
         return {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}
@@ -159,10 +156,9 @@ def reset_prefix_cache(srv: Server) -> bool:
 
 
 def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, max_len: int | None = None, batch: int = 1) -> None:
-    """A few requests (token-id prompts unlike any workload's) so the runs measure a warm server;
-    for LoRA, one per adapter so that loading it is not timed, then `batch` at once: on the H200 the
-    first batched LoRA run after single-request warm-up took 2.7 s to first token (kernels compiled for
-    the batch), 40x the merged model's. A failure here is the first forward failing."""
+    """A few requests (token-id prompts unlike any workload's) so the runs measure a warm server; for LoRA, one per adapter
+    so that loading it is not timed, then `batch` at once: on an H200 the first batched LoRA run after single-request
+    warm-up took 2.7 s to first token (kernels compiled for the batch), 40x the merged model's."""
     rng = random.Random(seed + 7919)
     n_in = max(8, min(w.input_len + (w.prefix_len if w.kind == "shared_prefix" else 0), 512, (max_len or 520) - 8))
     try:  # the first request has a deadline: a server too slow to measure is said to be so in minutes, not hours
@@ -265,8 +261,7 @@ def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int,
 
 def search_goodput(srv: Server, bench: Benchmark, rows: list[dict], data: dict, tokenizer: str, out: Path, client: BenchClient) -> dict:
     """`benchmark.goodput_search`: the highest concurrency up to its bound at which the SLO holds on the first workload,
-    bisecting from the sweep's points (choose.highest_within_slo); each probe is a run like a sweep point's, its row
-    kept under `rows` (raw results in raw/search/)."""
+    bisecting from the sweep's points; each probe is a run like a sweep point's, its row under `rows` (raw in raw/search/)."""
     from .choose import highest_within_slo
 
     w = bench.workloads[0]
@@ -333,9 +328,8 @@ def _loaded_weights_gib(log_text: str) -> float | None:
 def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served_model_name: str, plat: dict, workloads, data,
                   tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None, *,
                   client: BenchClient, on_ready=None) -> dict:
-    """Start a server with `engine`, warm it up, measure (the runs from `client`); never leaves it running.
-    `on_ready(server)` runs once the server is healthy, before the warm-up (a joint job's evaluation); the
-    prefix cache is reset after it, so no run reuses what it left there."""
+    """Start a server with `engine`, warm it up and measure it (runs from `client`); never leaves it running.
+    `on_ready(server)` (a joint job's evaluation) runs once it is healthy, before the warm-up and a prefix-cache reset."""
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
     srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=served_model_name,
                  env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")

@@ -1,7 +1,5 @@
-"""Offline benches of the default engine: `vllm bench latency` (batch 1) and `vllm bench throughput`, each in its own engine.
-
-They run with `benchmark.offline`, on the first `fixed` workload's lengths (or the first workload's),
-in fresh vLLM processes, their JSON under out/offline/ and their logs under out/logs/.
+"""Offline benches of the default engine (`benchmark.offline`): `vllm bench latency` (batch 1) and `vllm bench throughput`,
+each in a fresh vLLM process on the first `fixed` workload's lengths (or the first workload's); JSON under out/offline/.
 
     offline(served_dir, engine, workload, out)   # {"latency_s_batch1": ..., "throughput_req_s": ...}
 """

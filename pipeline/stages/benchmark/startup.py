@@ -1,13 +1,10 @@
 """A server's start-up, phase by phase, from the lines vLLM logs while it starts (as `vllm bench startup` splits it).
-
-    startup_phases(log_text, start_s=41.2)
-    -> {"ready_s": 41.2, "before_log_s": 9.8, "before_engine_s": 3.0, "weights_s": 2.6, "compile_s": 13.2,
-        "compile_cache": "miss", "graph_capture_s": 1.0, "warmup_s": 12.0, "engine_init_s": 32.1}
-
 `compile_cache` is "hit" when vLLM loaded its compiled graphs from the cache (a warm start), "miss" when it compiled
-them, None when nothing was compiled (enforce_eager). `warmup_s` runs from the end of CUDA-graph capture to the end of the
-engine's initialisation: the kernels' warm-up, which on a host's first vLLM process also holds its one-time kernel
-work (kept in the host's caches for later starts). A phase vLLM did not log (no compile, no CUDA graphs) is None.
+them, None when nothing was compiled (enforce_eager). `warmup_s` runs from the end of CUDA-graph capture to the end of
+the engine's initialisation: the kernels' warm-up, which in a host's first vLLM process also holds one-time kernel work
+(kept in the host's caches for later starts). A phase vLLM did not log (no compile, no CUDA graphs) is None.
+
+    startup_phases(log_text, start_s=41.2)  # {"ready_s": 41.2, "before_log_s": 9.8, "compile_s": 13.2, ...}
 """
 
 from __future__ import annotations

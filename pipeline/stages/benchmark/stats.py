@@ -1,11 +1,9 @@
-"""95% intervals for one sweep point, from its requests (`vllm bench serve --save-detailed`).
-
-A percentile bootstrap over the run's completed requests. Resampling requests, not repeating runs:
-a repeat costs as much as the run itself, while one run's requests already sample what varies from
-request to request (batch composition, scheduling, preemption). At a fixed concurrency the server's
-throughput follows from those requests' latencies (Little's law: throughput = concurrency / mean
-latency), so each resample also gives a throughput, scaled to the measured one. What it cannot see is
-drift between runs (the machine busier a minute later); `compare` keeps its run-to-run threshold for that.
+"""95% intervals for one sweep point: a percentile bootstrap over its completed requests (`vllm bench serve
+--save-detailed`). Requests are resampled instead of runs repeated: a repeat costs as much as the run, while one run's
+requests already sample what varies between requests (batch composition, scheduling, preemption). At a fixed
+concurrency throughput follows from the latencies (Little's law: throughput = concurrency / mean latency), so each
+resample also gives a throughput, scaled to the measured one. Drift between runs (the machine busier a minute later) is
+not seen here; `compare` keeps its run-to-run threshold for that.
 
     intervals(raw, slo)  ->  {"n": 64, "ttft_ms": {"p50": [lo, hi], "p99": [lo, hi]}, ..., "ci95": {...}}
     prompts_for(0.03, 32, 0.06, 512)  ->  128     # a pilot of 32 at ±6 %: 4x the requests for ±3 %
@@ -80,9 +78,8 @@ def intervals(raw: dict, slo=None, resamples: int = RESAMPLES, seed: int = SEED)
 
 
 def widest_half_width(row: dict) -> float | None:
-    """The widest relative half-width among the point's median TPOT, median e2e latency and output throughput: the
-    figures a comparison of artifacts rests on. (TTFT's interval is reported but left out here: under load its
-    median is queueing time, whose spread no number of requests narrows much.)"""
+    """The widest relative half-width among median TPOT, median e2e latency and output throughput, which a comparison of
+    artifacts rests on; TTFT is left out: under load its median is queueing time, which more requests barely narrow."""
     widths = [half_width(row[f"{m}_ms"].get("p50_ci95"), row[f"{m}_ms"].get("p50")) for m in ("tpot", "e2el")]
     widths.append(half_width((row.get("ci95") or {}).get("output_throughput"), row.get("output_throughput")))
     widths = [w for w in widths if w is not None]

@@ -1,12 +1,7 @@
-"""The workloads of the benchmark stage, checked and turned into what `vllm bench serve` reads, before any server starts.
-
-`fixed` and `shared_prefix` workloads are vLLM's random dataset (fixed lengths; a common prefix of
-`prefix_len` tokens); `validation` sends the validation set's prompts as the model sees them, each
-with an output length taken from its reference, as a custom-dataset JSONL under out/workloads/.
-
-    rows = validation_rows(workloads, inp.validation)
-    data, need_len, described = workload_data(workloads, rows, variant_engines(inp), tok, out)
-"""
+"""The benchmark stage's workloads, checked and turned into what `vllm bench serve` reads, before any server starts:
+`fixed` and `shared_prefix` are vLLM's random dataset (fixed lengths; a common prefix of `prefix_len` tokens), and
+`validation` sends the validation set's prompts as the model sees them, each with an output length taken from its
+reference, as a custom-dataset JSONL under out/workloads/."""
 
 from __future__ import annotations
 
@@ -61,9 +56,9 @@ def read_validation(path: str) -> list[dict]:
 
 
 def validation_dataset(w: Workload, rows: list[dict], tok, max_model_len: int | None, path: Path) -> dict:
-    """Write the custom-dataset JSONL `vllm bench serve` reads: the prompts as the model sees them
-    (`messages` through the chat template, as the evaluate stage does), and per row an output length
-    drawn from the reference (its token count, 1..output_len; output_len where a row has none)."""
+    """Write the custom-dataset JSONL `vllm bench serve` reads: the prompts as the model sees them (`messages` through the
+    chat template, as the evaluate stage does), each with the reference's token count as output length (1..output_len;
+    output_len without a reference)."""
     items, dropped = [], 0
     for row in rows:
         if "messages" in row:

@@ -1,41 +1,13 @@
 """Evaluate stage: score the baseline and every artifact through one path, and compare them.
 
-The unquantized merged model (`baseline`) and each quantized artifact go through exactly the same
-code with the same settings: lm-eval (its Python API, `simple_evaluate`), the user's validation set
-(greedy generation, scored per row), and, for artifacts, token-level fidelity against the baseline
-(fidelity.py: mean KL divergence of the next-token distributions, top-1 agreement, perplexity and its
-ratio to the baseline's) on held-out documents cut into windows (`evaluation.fidelity`), else on the
-references of the validation rows, each figure with a 95% interval by a bootstrap over windows (rows),
-since tokens within one are correlated. Per-example scores are kept (`per_example.json`) so that an
-artifact's stage can pair them with the baseline's: recovery (artifact/baseline) with a paired
-bootstrap 95% CI, and the flip rate. `quantpipe.common.gates` turns those figures into a release decision.
+The baseline and each artifact get the same lm-eval tasks (`simple_evaluate`), the user's validation set
+(greedy, scored per row) and, for artifacts, token-level fidelity against the baseline (fidelity.py), each
+figure with a 95% interval; an artifact's stage pairs its per-example scores with the baseline's (recovery
+with a paired bootstrap CI, flip rate). The backend is hf (hf.py) or vllm (vllm.py), as docs/architecture.md
+describes; an artifact whose tokenizer, BOS rule, chat template, backend or settings differ from the
+baseline's is refused rather than compared. Output files: docs/outputs.md.
 
     quantpipe run recipes/demo.yaml --stages evaluate
-
-Outputs in `out/`: evaluation.json (the metrics returned), lm_eval_results.json and
-lm_eval_samples/<task>.jsonl (written by lm-eval's own EvaluationTracker, as `lm_eval --output_path
---log_samples` writes them), validation_outputs.jsonl (each row's output and score), per_example.json
-(per-example scores and example ids, in doc order, that the artifacts' stages pair with).
-
-Backends (`inp.backend`, which the runner decides from `evaluation.lm_eval.backend`; `auto` is vllm
-where a CUDA GPU is present, else hf):
-- `hf` (hf.py): lm-eval's hf model; validation and fidelity through transformers, which reads every
-  artifact (it decompresses compressed-tensors); the artifact's stage loads the baseline model for the full KL,
-  and the baseline's output layer's inputs that the baseline's stage kept (`fidelity_hidden.safetensors`).
-  Models load in the settings' `dtype`: `base.dtype`, or float32 on a CPU without fast kernels for it
-  (common/compute.py), for the baseline and every artifact alike.
-- `vllm` (vllm.py): the stage runs in the serve environment and evaluates through vLLM's OpenAI-compatible
-  server: lm-eval's own local-completions model (`lm_eval_command` in evaluation.json), the validation
-  set as greedy completions, the fidelity tokens' prompt logprobs. The server is the benchmark stage's when
-  the runner packs an artifact's evaluation and benchmark into one job (`server`: one engine start per
-  artifact, the evaluation before the measured sweep), else one the stage starts (eager). The baseline keeps
-  its logprobs (`fidelity_reference.json`) and an artifact's stage compares against them. vLLM returns the
-  top 20 logprobs per position, so the KL is over those plus one bucket for the rest: a lower bound of the
-  full KL (`kl_topk`); top-1 agreement and perplexity are exact. A scheme vLLM cannot run on this machine
-  is refused before a server starts (use hf for it).
-BOS is passed explicitly as the tokenizer's own rule, and an artifact whose tokenizer, BOS rule, chat
-template, backend or evaluation settings differ from the baseline's is refused rather than compared.
-Fidelity needs `evaluation.fidelity` (documents) or `evaluation.validation` (its prompts and references).
 """
 
 from __future__ import annotations

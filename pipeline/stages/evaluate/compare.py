@@ -1,8 +1,6 @@
-"""The paired comparison of an artifact with the baseline: recovery, its bootstrap 95% CI, the flip rate.
-
-Both were scored on the same examples in the same order (`Scores.ids` says which, and a difference is
-refused), so the bootstrap resamples examples: each draw takes the same examples from both, and
-the CI is that of the ratio on the examples themselves, tight where the two agree on most of them.
+"""The paired comparison of an artifact with the baseline: recovery, its bootstrap 95% CI, the flip rate. Both were
+scored on the same examples in the same order (`Scores.ids` says which; a difference is refused), so each bootstrap draw
+takes the same examples from both, and the CI is that of the ratio on the examples themselves, tight where the two agree.
 
     from quantpipe.stages.evaluate import compare
     compare([1, 0, 1, 1], [1, 0, 0, 1], samples=1000)   # {"recovery": 0.667, "ci95": [...], "flip_rate": 0.25, ...}
@@ -64,8 +62,7 @@ def compare(baseline: list[float], artifact: list[float], samples: int, higher_i
 
 
 def compare_all(base: dict, scores: Scores, lm_metrics: dict | None, validation: dict | None, samples: int) -> list[dict]:
-    """Paired comparison per task and metric (per-example where scores are per-example means, else aggregate only).
-
+    """Paired comparison per task and metric (per-example where scores are per-example means, else aggregate only);
     `base` is the baseline's evaluation.json with its per_example.json under `per_example`."""
     bpe = base["per_example"]
     for task, mine in scores.ids.items():

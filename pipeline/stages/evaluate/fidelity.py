@@ -1,17 +1,11 @@
-"""Fidelity to the baseline: the token sequences scored, and KL, top-1 agreement and perplexity with 95% intervals.
+"""Fidelity to the baseline: the token sequences scored, and KL, top-1 agreement and perplexity with 95% intervals. With
+`evaluation.fidelity`, held-out documents (one `{"text": ...}` per line) are tokenized with the tokenizer's BOS rule,
+concatenated and cut into windows of `seq_len` tokens up to `max_tokens`, every position after a window's first scored;
+without it, each validation row's reference tokens are scored after its prompt. The intervals are a bootstrap over
+sequences, not tokens: tokens within one window are correlated (one passage, one topic), so resampling tokens would give
+intervals that are too narrow.
 
-The scored tokens come from one of two places. With `evaluation.fidelity`, held-out documents (one
-`{"text": ...}` per line) are tokenized with the tokenizer's BOS rule, concatenated, and cut into windows
-of `seq_len` tokens until `max_tokens` are taken; every position after a window's first is scored (no
-prompt/reference split). Without it, the reference tokens of each validation row are scored after its
-prompt. Each backend gives per-sequence sums (KL, top-1 agreements, negative log-likelihoods of the
-artifact and the baseline, tokens), and `summarize` turns them into figures with a 95% interval each, by a
-bootstrap over sequences, not tokens: tokens within one window are correlated (one passage, one topic),
-so resampling tokens would give intervals that are too narrow; the windows are the independent units.
-
-    docs = load_documents("data/heldout.jsonl")
-    seqs = document_windows(tok, docs, add_bos=True, seq_len=256, max_tokens=20_000)   # [(ids, 1), ...]
-    summarize([{"kl": 0.1, "agree": 250, "nll": 900.0, "nll_baseline": 880.0, "n": 255}, ...], 1000, "documents", "windows of 256 tokens")
+    seqs = document_windows(tok, load_documents("data/heldout.jsonl"), add_bos=True, seq_len=256, max_tokens=20_000)
 """
 
 from __future__ import annotations
@@ -106,8 +100,7 @@ def settings(inp) -> dict:
 
 
 def summarize(stats: list[dict], samples: int, source: str, unit: str, seed: int = BOOTSTRAP_SEED) -> dict | None:
-    """Figures over all sequences (token-weighted) with a 95% percentile-bootstrap interval each, resampling sequences.
-
+    """Figures over all sequences (token-weighted) with a 95% percentile-bootstrap interval each, resampling sequences;
     `stats`: per sequence, the sums `kl`, `agree`, `nll` (artifact), `nll_baseline` and the token count `n`."""
     import numpy as np
 

@@ -1,7 +1,6 @@
-"""lm-eval through its Python API, as its CLI runs it: the same figures, the same files, per-example scores kept.
-
-Both backends call `run_lm_eval`: hf lets lm-eval build its hf model from `model_args`; vllm passes the
-vllm model it built (so the same engine then serves the validation set).
+"""lm-eval through its Python API, as its CLI runs it: the same figures, the same files, per-example scores kept. Both
+backends call `run_lm_eval`: hf lets lm-eval build its hf model from `model_args`; vllm passes the model it built (so
+the same engine then serves the validation set).
 
     metrics = run_lm_eval(lm_eval_cfg, model_args, out, settings, scores)   # {"task": {"acc": 0.5, ...}}
 """
@@ -17,8 +16,7 @@ from .compare import Scores
 
 
 def import_lm_eval() -> None:
-    """Import lm-eval's evaluator before any model or engine loads, so that a missing dependency fails the
-    stage in seconds, not after an engine start of a minute or more."""
+    """Import lm-eval before any model or engine loads, so a missing dependency fails in seconds, not after an engine start."""
     try:
         import lm_eval.evaluator  # noqa: F401
     except ImportError as e:
@@ -37,11 +35,8 @@ def hf_model_args(src: Path, settings: dict, trust_remote_code: bool) -> dict:
 
 
 def run_lm_eval(le, model_args: dict, out: Path, settings: dict, scores: Scores, lm=None) -> dict:
-    """Run lm-eval's simple_evaluate as its CLI does, and keep the files its CLI would write.
-
-    `le`: the recipe's evaluation.lm_eval. `lm`: lm-eval's vllm model, built by the caller from
-    `model_args` as simple_evaluate would build it (so the caller can reuse its engine); None: the hf
-    model, built by lm-eval from `model_args`."""
+    """Run lm-eval's simple_evaluate as its CLI does, and keep the files its CLI would write. `lm`: a model the caller
+    built from `model_args` as simple_evaluate would (so it can reuse its engine); None: lm-eval builds its hf model."""
     import shutil
 
     from lm_eval import simple_evaluate

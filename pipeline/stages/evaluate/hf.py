@@ -1,14 +1,9 @@
-"""The hf backend: lm-eval's hf model, then greedy validation and full-vocabulary fidelity through transformers.
-
-transformers reads every artifact (it decompresses compressed-tensors), so this backend evaluates any
-scheme on any machine. For an artifact, the baseline and the artifact score the same tokens (the fidelity
-documents' windows, else the validation references; see fidelity.py): KL over the whole vocabulary, top-1
-agreement, perplexity, each with a 95% interval by a bootstrap over sequences. The baseline's stage keeps
-the input of its output layer for those tokens (`fidelity_hidden.safetensors`), so an artifact's stage
-computes the baseline's logits with that one layer instead of the whole model's forward pass; a model
-whose logits are not that layer's output (e.g. with logit soft-capping) keeps no such file, and an
-artifact's stage then runs the baseline's forward pass itself.
-"""
+"""The hf backend: lm-eval's hf model, then greedy validation and full-vocabulary fidelity through transformers, which
+reads every artifact (it decompresses compressed-tensors), so this backend evaluates any scheme on any machine. The
+baseline's stage keeps the input of its output layer for the fidelity tokens (`fidelity_hidden.safetensors`), so an
+artifact's stage computes the baseline's logits with that one layer instead of a whole forward pass; a model whose
+logits are not that layer's output (e.g. with logit soft-capping) keeps no such file, and an artifact's stage then runs
+the baseline's forward pass itself."""
 
 from __future__ import annotations
 
@@ -123,9 +118,8 @@ def generate(model, tok, rows: list[dict], cfg, settings: dict) -> list[str]:
 
 def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: list | None = None) -> list[dict]:
     """Per sequence (ids, first scored position): the sums of KL(baseline || artifact) over the whole vocabulary, top-1
-    agreements and negative log-likelihoods of the scored tokens, with their count (fidelity.summarize takes them).
-    `hidden`: per sequence, the input of the baseline's output layer (load_reference); `ref_model` may then be that
-    layer alone (load_head). None runs the baseline's forward pass."""
+    agreements and negative log-likelihoods of the scored tokens, with their count. `hidden`: per sequence, the input of
+    the baseline's output layer (load_reference), `ref_model` then possibly that layer alone; None: a full forward pass."""
     import torch
 
     out = []
@@ -204,9 +198,8 @@ def load_reference(path: Path, seqs: list[tuple[list[int], int]]) -> Kept | None
 
 
 def load_head(path: Path, dtype: str, trust_remote_code: bool, device: str, kept: Kept):
-    """The baseline's output layer alone, its weight read from the checkpoint (the input embeddings' where the two are
-    tied), when it gives the logits the baseline's stage saw on the first sequence bit for bit; None otherwise (an
-    output layer with a bias, another checkpoint layout, another device's rounding): the stage then loads the whole model."""
+    """The baseline's output layer alone, its weight from the checkpoint (the input embeddings' where tied), when it gives
+    the baseline stage's first-sequence logits bit for bit; None otherwise (a bias, another layout, another device's rounding)."""
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -1,8 +1,6 @@
-"""The validation set: reading and checking its rows, encoding its prompts, scoring the outputs.
-
-Light (no torch): `quantpipe check` reads the rows with `load_validation` before anything runs, and
-both backends score with `score_output`, so a row means the same under hf and vllm. `json_valid`
-checks the output against `evaluation.validation.json_schema` with the jsonschema library (Draft 2020-12).
+"""The validation set: reading and checking its rows, encoding its prompts, scoring the outputs. Light (no torch):
+`quantpipe check` reads the rows with `load_validation` before anything runs, and both backends score with
+`score_output`, so a row means the same under hf and vllm.
 
     from quantpipe.stages.evaluate import load_validation
     rows = load_validation("data/val.jsonl", "exact_match")
@@ -160,10 +158,9 @@ def encode_prompt(tok, row: dict, add_bos: bool) -> list[int]:
 
 
 def continuation(row: dict) -> str:
-    """The reference as the text that follows the prompt: a raw prompt and a reference that meet without
-    whitespace get one space between them (lm-eval's default target_delimiter), so "2 plus 2 is" + "4"
-    is scored as " 4", the continuation the model would write. Chat prompts end in the template's own
-    generation prompt and take the reference as it is."""
+    """The reference as the text that follows the prompt: a raw prompt and a reference that meet without whitespace get
+    one space between them (lm-eval's default target_delimiter), so "2 plus 2 is" + "4" is scored as " 4", as the model
+    would write it. Chat prompts end in the template's own generation prompt and take the reference as it is."""
     ref = row["reference"]
     if "prompt" in row and not row["prompt"][-1:].isspace() and not ref[:1].isspace():
         return " " + ref

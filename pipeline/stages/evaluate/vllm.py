@@ -1,21 +1,12 @@
-"""The vllm backend: lm-eval, the validation set and the fidelity logprobs through one vLLM server (serve environment).
-
-Everything goes through `vllm serve`'s OpenAI-compatible API, as a user's client would reach the model:
-lm-eval's own `local-completions` model (loglikelihoods from the echoed prompt logprobs, generations as
-completions, token ids sent as they are), the validation prompts as greedy completions, and the prompt
-logprobs of the fidelity tokens (the documents' windows, else the validation references; see
-fidelity.py). The server is the benchmark stage's when the runner packs an artifact's evaluation and
-benchmark into one job (one engine start per artifact; the evaluation runs before the measured sweep),
-else one that this stage starts itself: eager (no torch.compile, no CUDA graphs: it measures accuracy,
-not speed), the model's full context, on CPU a KV cache that holds one such sequence.
-
-The figures are lm-eval's `--model local-completions` against that server (`lm_eval_command`), and equal
-those of `lm_eval --model vllm` on the same artifact up to the order in which vLLM batches the requests
-(tests/test_evaluate.py compares both). vLLM returns the top VLLM_LOGPROBS logprobs per position, so the
-KL is over those plus one bucket for the rest (`kl_topk`: a lower bound of the full KL); top-1 agreement
-and perplexity are exact. The baseline keeps its logprobs (`fidelity_reference.json`) and an artifact's
-stage compares against them. vLLM is never imported here, so this module loads in any environment.
-"""
+"""The vllm backend: lm-eval, the validation set and the fidelity logprobs through one vLLM server's OpenAI-compatible
+API, as a user's client would reach the model. The server is the benchmark stage's when the runner packs an artifact's
+evaluation and benchmark into one job (one engine start per artifact; the evaluation runs before the measured sweep),
+else one this stage starts: eager (it measures accuracy, not speed), the model's full context, on CPU a KV cache that
+holds one such sequence. lm-eval's `local-completions` figures (`lm_eval_command`) equal those of `lm_eval --model vllm`
+up to the order in which vLLM batches requests (tests/test_evaluate.py compares both). vLLM returns the top
+VLLM_LOGPROBS logprobs per position, so the KL is a lower bound (`kl_topk`); top-1 agreement and perplexity are exact.
+The baseline keeps its logprobs in `fidelity_reference.json`. vLLM is never imported here, so this module loads in any
+environment."""
 
 from __future__ import annotations
 
@@ -209,12 +200,10 @@ def prompt_logprobs(srv, seqs: list[tuple[list[int], int]]) -> list[list[dict]]:
 
 
 def kl_topk(p: dict[int, float], q: dict[int, float]) -> float:
-    """KL(P || Q) of two next-token distributions known by the logprobs of some tokens each.
-
-    Tokens known on both sides count one by one, every other token goes into one `rest` bucket. Merging
-    tokens never raises KL (log-sum inequality), so this is a lower bound of the full-vocabulary KL, and
-    exact when the tokens known on both sides hold all the probability. The rest bucket of Q is floored
-    at 1e-6 (float32 logprobs sum to 1 within about that), which keeps the bound a lower bound."""
+    """KL(P || Q) of two next-token distributions known by the logprobs of some tokens each. Tokens known on both sides
+    count one by one, all others go into one `rest` bucket; merging tokens never raises KL (log-sum inequality), so this
+    is a lower bound of the full-vocabulary KL, exact when the shared tokens hold all the probability. Q's rest is floored
+    at 1e-6 (float32 logprobs sum to 1 within about that), which keeps it a lower bound."""
     shared = p.keys() & q.keys()
     kl = math.fsum(math.exp(p[t]) * (p[t] - q[t]) for t in shared)
     p_rest = 1.0 - math.fsum(math.exp(p[t]) for t in shared)
@@ -225,9 +214,8 @@ def kl_topk(p: dict[int, float], q: dict[int, float]) -> float:
 
 
 def fidelity_topk(base: list, mine: list) -> list[dict]:
-    """Per sequence, the sums of KL(baseline || artifact) (over each position's top logprobs, see kl_topk), top-1 agreements
-    and negative log-likelihoods of the scored tokens, with their count, from the vLLM prompt logprobs of both (top-1
-    agreement and perplexity are exact); fidelity.summarize takes them."""
+    """Per sequence, from the vLLM prompt logprobs of both: the sums of KL(baseline || artifact) over each position's top
+    logprobs (kl_topk), top-1 agreements and negative log-likelihoods of the scored tokens, with their count."""
     if len(base) != len(mine) or any([x["target"] for x in b] != [x["target"] for x in a] for b, a in zip(base, mine)):
         raise StageError("the baseline's fidelity logprobs are for other tokens than this artifact's; re-run evaluate:baseline (--force evaluate)")
     out = []

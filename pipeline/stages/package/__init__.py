@@ -1,12 +1,10 @@
-"""Package stage: one Hugging Face model directory per artifact, with a model card and a manifest.
-
-The package holds the quantized weights as safetensors shards (re-sharded to
-`package.max_shard_size` when a file is larger, copied otherwise) with their index, config.json with
-its quantization_config, generation_config.json, the tokenizer and its chat template, README.md (a
-model card: what was done, accuracy against the baseline with confidence intervals, benchmark
-tables, the `vllm serve` command the benchmark found best) and manifest.json (sha256 and size of
-every file, the resolved recipe, stage keys, library versions, hardware, timings). Nothing else:
-no adapter files, no pickle weights. `quantpipe verify DIR` re-checks a package against its manifest:
+"""Package stage: one Hugging Face model directory per artifact, with a model card and a manifest. It holds the quantized
+weights as safetensors shards (re-sharded to `package.max_shard_size` when a file is larger, copied otherwise) with their
+index, config.json with its quantization_config, generation_config.json, the tokenizer and its chat template, README.md
+(the model card: what was done, accuracy against the baseline with confidence intervals, benchmark tables, the
+`vllm serve` command the benchmark found best) and manifest.json (sha256 and size of every file, the resolved recipe,
+stage keys, library versions, hardware, timings); no adapter files, no pickle weights. `quantpipe verify DIR` re-checks
+a package against its manifest:
 
     quantpipe verify out/demo/packages/fp8
 """
@@ -38,10 +36,8 @@ SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB"
 
 
 def run(inp: PackageInput, src: Path, out: Path, upstream: dict[str, Upstream]) -> dict:
-    """Build the package of the quantized model in `src` into `out`. Returns metrics for the run log.
-
-    `upstream` holds the records of `quantize` (src), `merged`, `self` (this stage's own key), and, where
-    the recipe has them, `evaluation`, `baseline_eval`, `benchmark` and `baseline_benchmark`."""
+    """Build the package of the quantized model in `src` into `out`. `upstream` holds `quantize` (src), `merged`, `self`
+    (this stage's own key) and, where the recipe has them, `evaluation`, `baseline_eval`, `benchmark`, `baseline_benchmark`."""
     src, out, merged = Path(src), Path(out), upstream["merged"].out
     artifact = inp.artifact.name
     config = _read_json(src / "config.json")
@@ -143,10 +139,10 @@ def _write_weights(src: Path, out: Path, max_shard: int) -> dict:
 
 
 def _link_or_copy(src: Path, dst: Path) -> bool:
-    """A hard link to a weight shard of the quantize stage's cache entry, else a copy; True when linked.
-    Cache entries are never written after their commit, and the cache checks each entry's files on use,
-    so a shard damaged in one is found damaged in both and both are rebuilt. (Published packages are
-    copies: users may edit those.) An 8B model's shards are 5-9 GB, 10-20 s to copy on an H200 host."""
+    """A hard link to a weight shard of the quantize stage's cache entry, else a copy; True when linked. Cache entries are
+    never written after their commit and the cache checks each entry's files on use, so a shard damaged in one is found
+    in both and both are rebuilt (published packages are copies: users may edit those). An 8B model's shards are 5-9 GB,
+    10-20 s to copy on an H200 host."""
     try:
         os.link(src, dst)
         return True

@@ -49,8 +49,8 @@ def build_manifest(inp: PackageInput, out: Path, src: Path, stages: dict, own: U
 
 
 def verify_package(dir: Path) -> list[str]:
-    """Problems with a package (each naming the file); [] when every file matches manifest.json and the
-    config, index and safetensors headers agree."""
+    """Problems with a package (each naming the file); [] when every file matches manifest.json and the config, index and
+    safetensors headers agree."""
     root = Path(dir)
     if not root.is_dir():
         return [f"{root}: not a directory"]

@@ -1,21 +1,15 @@
-"""Quantize stage: the merged model -> one compressed-tensors artifact, with llm-compressor's `oneshot`.
-
-Each artifact of the recipe becomes a directory that vLLM loads as it is (it reads the
-`quantization_config` that compressed-tensors writes into config.json) and transformers decompresses
-on load. The llm-compressor recipe actually applied is saved beside the weights twice: `recipe.yaml`
-as llm-compressor writes it (it holds `!!python/tuple`, so `yaml.safe_load` cannot read it) and
-`llmcompressor_recipe.json`, plain JSON. `calibration.json` records which samples were used and their
-hash. Tokenizer, chat template and generation config are copied from the merged model.
+"""Quantize stage: the merged model -> one compressed-tensors artifact, with llm-compressor's `oneshot`. Each artifact
+becomes a directory that vLLM loads as it is (it reads the `quantization_config` compressed-tensors writes into
+config.json) and transformers decompresses on load. The llm-compressor recipe applied is saved twice: `recipe.yaml` as
+llm-compressor writes it (it holds `!!python/tuple`, which `yaml.safe_load` cannot read) and `llmcompressor_recipe.json`,
+plain JSON; `calibration.json` records which samples were used and their hash. rtn needs no data and is the reference
+the calibrated methods must beat; `backend: autoawq` and `backend: gptqmodel` hand awq and gptq artifacts to the legacy
+quantizers instead (legacy.py).
 
     from quantpipe.recipe import load
     from quantpipe.run.plan import stage_input
     from quantpipe.stages.quantize import run
     run(stage_input("quantize", load("recipes/demo-tiny.yaml"), "gptq", base_dir), Path(".tiny/llama-merged"), Path("/tmp/gptq"))
-
-Methods: awq (AWQModifier + W4A16[_ASYM]), gptq (GPTQModifier W4A16/W8A16), fp8 (FP8_DYNAMIC,
-static FP8, FP8_BLOCK), w8a8-int8 (SmoothQuant + GPTQ W8A8), rtn (QuantizationModifier W4A16/W8A16,
-no data: the reference the calibrated methods must beat). `backend: autoawq` and `backend: gptqmodel`
-hand awq and gptq artifacts to the legacy quantizers instead (stages/quantize/legacy.py).
 """
 
 from __future__ import annotations
@@ -88,8 +82,7 @@ def oneshot_kwargs(a, inp: QuantizeInput, model, tokenizer, dataset) -> dict:
     kw: dict[str, Any] = {"model": model, "recipe": build_modifiers(a), "tokenizer": tokenizer}
     if dataset is not None:
         c = inp.calibration
-        # the samples are already drawn, shuffled (seeded) and truncated by quantpipe.calibration:
-        # take them all, in order, with no further sampling by llm-compressor
+        # quantpipe.calibration already drew, shuffled (seeded) and truncated the samples: llm-compressor takes them all
         kw |= {"dataset": dataset, "num_calibration_samples": len(dataset), "max_seq_length": c.max_seq_len,
                "shuffle_calibration_samples": False, "batch_size": 1}
     if a.pipeline is not None:
@@ -101,14 +94,9 @@ def oneshot_kwargs(a, inp: QuantizeInput, model, tokenizer, dataset) -> dict:
 
 @contextlib.contextmanager
 def cpu_safe_awq():
-    """Let AWQ run on a torch without an accelerator.
-
-    llm-compressor 0.14's AWQModifier._apply_smoothing pins the cached parent activations
-    (IntermediatesCache.pin_memory) to speed up host-to-device copies during its grid search; on a
-    CPU-only torch pinning raises "Cannot access accelerator device when none is available". Pinned
-    memory only serves transfers to an accelerator, so where none exists the call is made a no-op for
-    the duration of `oneshot` and restored afterwards. With an accelerator nothing is touched.
-    """
+    """Let AWQ run on a torch without an accelerator: llm-compressor 0.14's AWQModifier._apply_smoothing pins the cached
+    activations (IntermediatesCache.pin_memory) for host-to-device copies, which on a CPU-only torch raises "Cannot access
+    accelerator device when none is available"; there pinning, useless anyway, is a no-op for the duration of `oneshot`."""
     import torch
     from llmcompressor.pipelines.cache import IntermediatesCache
 
@@ -125,18 +113,12 @@ def cpu_safe_awq():
 
 @contextlib.contextmanager
 def cpu_serial_layer_updates(method: str):
-    """Run GPTQ's and AWQ's per-layer updates on one thread when torch has no accelerator.
-
-    After each decoder layer's calibration pass, GPTQ quantizes every Linear column by column
-    (llm-compressor 0.14's `gptq_block_update`: 4992 columns per layer of SmolLM2-135M) and AWQ
-    searches its smoothing scales, re-running the layer's parts once per grid point; both are many
-    small tensor ops. On a CPU torch splits every op across its intra-op threads, whose
-    synchronisation then costs more than the arithmetic: on 2 AVX-512 cores shared with another busy
-    process one GPTQ column took ~1.1 ms with 2 threads and ~0.1 ms with 1, SmolLM2-135M's GPTQ solve
-    (W4A16, group 64) 309 s against 33 s, and AWQ (n_grid 5, 64 x 128 tokens) ~20 s per layer against
-    ~5 s. The calibration passes keep every thread; the count is restored after each update. With an
-    accelerator, one thread already, or another method, nothing is touched.
-    """
+    """Run GPTQ's and AWQ's per-layer updates on one thread when torch has no accelerator. Both are many small tensor ops
+    (llm-compressor 0.14's GPTQ quantizes every Linear column by column, 4992 columns per layer of SmolLM2-135M; AWQ
+    re-runs the layer's parts per grid point), and on a CPU the synchronisation of torch's intra-op threads then costs
+    more than the arithmetic: on 2 AVX-512 cores shared with another busy process, SmolLM2-135M's GPTQ solve (W4A16,
+    group 64) took 309 s with 2 threads against 33 s with 1, AWQ (n_grid 5, 64 x 128 tokens) ~20 s per layer against
+    ~5 s. The calibration passes keep every thread."""
     import torch
 
     if method not in ("gptq", "w8a8-int8", "awq") or torch.accelerator.is_available() or torch.get_num_threads() == 1:
@@ -164,9 +146,8 @@ def cpu_serial_layer_updates(method: str):
 
 
 def store_as(model, dtype: str) -> None:
-    """Cast a model calibrated in float32 to the dtype it is stored in: every float32 parameter and buffer (weights
-    and the scales llm-compressor added), as a calibration in `dtype` leaves them; llm-compressor's offloading
-    is removed first, so that the cast reaches every tensor."""
+    """Cast a model calibrated in float32 to `dtype`, as a calibration in `dtype` leaves it: every float32 parameter and
+    buffer (weights and llm-compressor's scales), after removing llm-compressor's offloading so the cast reaches them all."""
     import torch
     from compressed_tensors.offload import remove_dispatch
 

@@ -1,17 +1,12 @@
-"""Legacy quantizers: `backend: autoawq` (AutoAWQ's AWQ-GEMM checkpoint) and `backend: gptqmodel` (GPTQ).
-
-llm-compressor is quantpipe's default for every method: AutoAWQ was adopted into llm-compressor and is
-no longer maintained, and AutoGPTQ's successor is GPTQModel. These two backends are for users who need
-the formats those tools write (`quant_method: awq` or `gptq` in config.json; vLLM serves both,
-transformers 5 reads both through gptqmodel). Each runs in an environment of its own, built on demand
-and picked by the runner (envs.stage_env):
+"""Legacy quantizers: `backend: autoawq` (AutoAWQ's AWQ-GEMM checkpoint) and `backend: gptqmodel` (GPTQ), for users who
+need the formats those tools write (`quant_method: awq` or `gptq` in config.json; vLLM serves both, transformers 5 reads
+both through gptqmodel). llm-compressor is the default for every method: AutoAWQ was adopted into it and is
+unmaintained, and AutoGPTQ's successor is GPTQModel. Each backend runs in an environment of its own, built on demand and
+picked by the runner (envs.stage_env). The calibration samples are exactly the default path's (quantpipe.calibration),
+`backend.json` records the library versions and the quantizer's arguments, and options a backend cannot honour are
+refused by the recipe schema (recipe._legacy_options), not ignored.
 
     scripts/setup_envs.sh legacy     # .venv/autoawq (transformers 4) and .venv/gptqmodel
-
-The calibration samples are exactly the default path's: quantpipe.calibration draws, templates and
-truncates them with the model's tokenizer, and their hash goes into calibration.json and the metrics.
-`backend.json` records the library versions and the arguments given to the quantizer. Options a
-backend cannot honour are refused by the recipe schema (recipe._legacy_options), not ignored.
 """
 
 from __future__ import annotations
@@ -80,11 +75,8 @@ def run(inp: QuantizeInput, src: Path, out: Path) -> dict:
 
 
 def transformers4_view(src: Path, work: Path) -> Path:
-    """`src` as transformers 4 reads it: every file linked, config.json with `rope_theta`.
-
-    transformers 5 writes the rotary settings as `rope_parameters`, which 4.x ignores: it would fall
-    back to its default theta (10000) and quantize a different model without a word.
-    """
+    """`src` as transformers 4 reads it: every file linked, config.json with `rope_theta` (4.x ignores transformers 5's
+    `rope_parameters` and would quantize with its default theta, 10000, a different model, without a word)."""
     cfg = json.loads((src / "config.json").read_text())
     rope = cfg.pop("rope_parameters", None)
     if rope is not None:
