@@ -5,7 +5,7 @@
 PY := .venv/quantize/bin/python
 QP := .venv/quantize/bin/quantpipe
 
-.PHONY: setup setup-legacy tiny smollm2 demo demo-tiny test test-long test-all test-fast lint clean
+.PHONY: setup setup-legacy tiny smollm2 demo demo-tiny test test-long test-all test-fast lint format clean
 
 # the two stage environments, from the CPU locks or (nvidia-smi lists a GPU) the CUDA ones; QUANTPIPE_PLATFORM=cpu|cuda
 # overrides that, QUANTPIPE_WHEELHOUSE=DIR installs from a wheel folder only (scripts/wheelhouse.sh makes one)
@@ -44,9 +44,14 @@ test-all: tiny
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
 
-# ruff lint (pyproject.toml holds its settings; `ruff format` is configured there too)
+# ruff lint and format check (settings in pyproject.toml); `make format` rewrites the files
+RUFF = "$$(cat .venv/quantize/.shared)/bin/ruff"
 lint: setup
-	"$$(cat .venv/quantize/.shared)/bin/ruff" check pipeline tests scripts bench
+	$(RUFF) check pipeline tests scripts bench
+	$(RUFF) format --check pipeline tests scripts bench
+
+format: setup
+	$(RUFF) format pipeline tests scripts bench
 
 clean:
 	rm -rf out .pytest_cache

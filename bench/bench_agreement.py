@@ -54,7 +54,7 @@ def paired_intervals(qp: list[dict], direct: list[dict]) -> dict[str, list[float
 
 
 def verdict(iv: dict[str, list[float]], bound: float = AGREEMENT) -> str:
-    """"agree": every interval within ±bound; "disagree": one wholly outside; else "unresolved"."""
+    """ "agree": every interval within ±bound; "disagree": one wholly outside; else "unresolved"."""
     if any(lo > bound or hi < -bound for _, lo, hi in iv.values()):
         return "disagree"
     return "agree" if all(-bound <= lo and hi <= bound for _, lo, hi in iv.values()) else "unresolved"
@@ -74,11 +74,36 @@ def rounds_needed(qp: list[dict], direct: list[dict], bound: float = AGREEMENT) 
 
 def _direct_args(port: int, model: str, tokenizer: str, a: argparse.Namespace) -> list[str]:
     return [  # written out by hand: what a user would type
-        "--host", "127.0.0.1", "--port", str(port), "--model", model, "--tokenizer", tokenizer,
-        "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len", str(a.output_len),
-        "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency), "--ignore-eos", "--temperature", "0",
-        "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-        "--save-result", "--save-detailed", "--disable-tqdm",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--model",
+        model,
+        "--tokenizer",
+        tokenizer,
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--num-prompts",
+        str(a.num_prompts),
+        "--max-concurrency",
+        str(a.concurrency),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,90,99",
+        "--save-result",
+        "--save-detailed",
+        "--disable-tqdm",
     ]
 
 
@@ -90,8 +115,14 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
     from quantpipe.stages.benchmark.client import BenchClient
     from quantpipe.stages.benchmark.measure import bench_serve_args, measure
 
-    bench = Benchmark.model_validate({"workloads": [{"name": "fixed", "input_len": a.input_len, "output_len": a.output_len,
-                                                     "num_prompts": a.num_prompts}], "concurrency": [a.concurrency]})
+    bench = Benchmark.model_validate(
+        {
+            "workloads": [
+                {"name": "fixed", "input_len": a.input_len, "output_len": a.output_len, "num_prompts": a.num_prompts}
+            ],
+            "concurrency": [a.concurrency],
+        }
+    )
     direct_args = _direct_args(srv.port, model, tokenizer, a)
 
     def parsed(args: list[str]) -> dict:
@@ -99,28 +130,48 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
         add_cli_args(p)
         return vars(p.parse_args(args + ["--result-dir", "R", "--result-filename", "F"]))
 
-    qa = parsed(bench_serve_args(srv, bench.workloads[0], None, a.concurrency, tokenizer, bench.seed, Path("R"), "F", []))
+    qa = parsed(
+        bench_serve_args(srv, bench.workloads[0], None, a.concurrency, tokenizer, bench.seed, Path("R"), "F", [])
+    )
     da = parsed(direct_args)
-    res = {"args_diff": {k: [str(qa.get(k)), str(da.get(k))] for k in set(qa) | set(da)
-                         if qa.get(k) != da.get(k) and k != "request_id_prefix"}, "quantpipe": [], "direct": []}
+    res = {
+        "args_diff": {
+            k: [str(qa.get(k)), str(da.get(k))]
+            for k in set(qa) | set(da)
+            if qa.get(k) != da.get(k) and k != "request_id_prefix"
+        },
+        "quantpipe": [],
+        "direct": [],
+    }
     with BenchClient(out / "client.log", fork={"auto": None, "yes": True, "no": False}[a.fork]) as client:
+
         def quantpipe_run(i: int) -> None:
             client.ready()  # as the stage's first run: its process has imported vLLM before `measure` begins
             rows, _ = measure(srv, bench, f"qp{i}", list(bench.workloads), {}, tokenizer, out, client=client)
             res["quantpipe"].append(rows[0])
 
         def direct_run(i: int) -> None:
-            urllib.request.urlopen(urllib.request.Request(f"{srv.url}/reset_prefix_cache", data=b"", method="POST")).read()
+            urllib.request.urlopen(
+                urllib.request.Request(f"{srv.url}/reset_prefix_cache", data=b"", method="POST")
+            ).read()
             args = direct_args + ["--result-dir", str(out / "direct"), "--result-filename", f"{i}.json"]
-            subprocess.run([sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", *args],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             res["direct"].append(json.loads((out / "direct" / f"{i}.json").read_text()))
 
         for i in range(max(a.rounds, a.max_rounds or 0)):
             for run in (quantpipe_run, direct_run) if i % 2 == 0 else (direct_run, quantpipe_run):
                 run(i)
             q, d = res["quantpipe"][-1], res["direct"][-1]
-            print(f"round {i + 1:2d}: " + "  ".join(f"{k} {fa(q):8.2f} / {fb(d):8.2f}" for k, (fa, fb) in FIGURES.items()), flush=True)
+            print(
+                f"round {i + 1:2d}: "
+                + "  ".join(f"{k} {fa(q):8.2f} / {fb(d):8.2f}" for k, (fa, fb) in FIGURES.items()),
+                flush=True,
+            )
             if i + 1 >= a.rounds and verdict(paired_intervals(res["quantpipe"], res["direct"])) != "unresolved":
                 break
     return res
@@ -133,15 +184,23 @@ def main() -> None:
     p.add_argument("--model-name", default="model", help="served model name (with --port: the server's)")
     p.add_argument("--tokenizer", help="default: --model")
     p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--max-rounds", type=int, default=None,
-                   help="go on after --rounds, a round at a time, until the verdict resolves or this many rounds ran")
+    p.add_argument(
+        "--max-rounds",
+        type=int,
+        default=None,
+        help="go on after --rounds, a round at a time, until the verdict resolves or this many rounds ran",
+    )
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--gpu", action="store_true", help="a CUDA host: no CPU KV-cache size, no --enforce-eager")
-    p.add_argument("--fork", choices=("auto", "yes", "no"), default="auto",
-                   help="quantpipe's runs forked from one client (yes), fresh processes (no), or as the stage does here (auto)")
+    p.add_argument(
+        "--fork",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="quantpipe's runs forked from one client (yes), fresh processes (no), or as the stage does here (auto)",
+    )
     p.add_argument("--out", type=Path, help="where results and logs go (default: a temporary folder)")
     p.add_argument("--json", type=Path, help="also write the rounds, intervals and verdict here")
     a = p.parse_args()
@@ -160,11 +219,20 @@ def main() -> None:
     else:
         flags = ["--dtype", "bfloat16", "--max-model-len", "2048"]
         flags += [] if a.gpu else ["--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20)]
-        with Server(a.model, flags, log_path=out / "server.log", served_model_name=a.model_name, env={"VLLM_SERVER_DEV_MODE": "1"},
-                    gpu=a.gpu) as srv:
+        with Server(
+            a.model,
+            flags,
+            log_path=out / "server.log",
+            served_model_name=a.model_name,
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+            gpu=a.gpu,
+        ) as srv:
             rounds = f"{a.rounds} to {a.max_rounds}" if (a.max_rounds or 0) > a.rounds else str(a.rounds)
-            print(f"server up in {srv.start_s:.1f} s; {rounds} rounds of {a.num_prompts} prompts "
-                  f"({a.input_len} in, {a.output_len} out) at concurrency {a.concurrency}", flush=True)
+            print(
+                f"server up in {srv.start_s:.1f} s; {rounds} rounds of {a.num_prompts} prompts "
+                f"({a.input_len} in, {a.output_len} out) at concurrency {a.concurrency}",
+                flush=True,
+            )
             res = _rounds(srv, a.model_name, tokenizer, a, out)
     iv = paired_intervals(res["quantpipe"], res["direct"])
     res |= {"intervals": iv, "verdict": verdict(iv), "rounds_needed": rounds_needed(res["quantpipe"], res["direct"])}
@@ -172,9 +240,11 @@ def main() -> None:
         res["rounds_needed"] = max(res["rounds_needed"], len(res["quantpipe"]) + 1)
     for k, (e, lo, hi) in iv.items():
         print(f"{k:18s} quantpipe / direct - 1 = {e:+.1%}  95% [{lo:+.1%}, {hi:+.1%}]")
-    print(f"verdict at ±{AGREEMENT:.0%}: {res['verdict']} after {len(res['quantpipe'])} rounds"
-          + (f" (this spread needs about {res['rounds_needed']})" if res["verdict"] == "unresolved" else "")
-          + ("" if not res["args_diff"] else f"; arguments differ: {res['args_diff']}"))
+    print(
+        f"verdict at ±{AGREEMENT:.0%}: {res['verdict']} after {len(res['quantpipe'])} rounds"
+        + (f" (this spread needs about {res['rounds_needed']})" if res["verdict"] == "unresolved" else "")
+        + ("" if not res["args_diff"] else f"; arguments differ: {res['args_diff']}")
+    )
     if a.json:
         a.json.write_text(json.dumps(res))
 

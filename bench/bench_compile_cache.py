@@ -36,7 +36,9 @@ from quantpipe.recipe import RecipeError, load
 
 # What a vLLM server log says of torch.compile and of the engine's start (0.26 on CUDA, 0.32 on the CPU):
 # "Directly load ..." is a compile-cache hit (the AOT-compiled function or the compiled graphs).
-COMPILE_LINES = re.compile(r"torch\.compile take|Compiling a graph|Directly load|Dynamo bytecode transform|AOT compiled|init engine")
+COMPILE_LINES = re.compile(
+    r"torch\.compile take|Compiling a graph|Directly load|Dynamo bytecode transform|AOT compiled|init engine"
+)
 
 
 def night_recipe(recipe_path: Path, n: int, work: Path, compile_: bool) -> Path:
@@ -63,21 +65,36 @@ def servers(cache: Path) -> list[dict]:
         for vname, v in m.get("variants", {}).items():
             log = (res.parent / v["log"]).read_text(errors="replace")
             lines = [ln.split("] ", 1)[-1][:160] for ln in log.splitlines() if COMPILE_LINES.search(ln)]
-            rows.append({"artifact": m["artifact"], "variant": vname, "server_start_s": v.get("server_start_s"),
-                         "served_path": m.get("served_path"), "compile_log": lines,
-                         "loaded_from_cache": any("Directly load" in ln for ln in lines)})
+            rows.append(
+                {
+                    "artifact": m["artifact"],
+                    "variant": vname,
+                    "server_start_s": v.get("server_start_s"),
+                    "served_path": m.get("served_path"),
+                    "compile_log": lines,
+                    "loaded_from_cache": any("Directly load" in ln for ln in lines),
+                }
+            )
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", type=Path)
-    ap.add_argument("--artifacts", default=None, help="artifacts to build and benchmark besides the baseline (default: all)")
+    ap.add_argument(
+        "--artifacts", default=None, help="artifacts to build and benchmark besides the baseline (default: all)"
+    )
     ap.add_argument("--nights", type=int, default=3, help="nights: 1 warms the cache, then control and links alternate")
     ap.add_argument("--workdir", type=Path, default=None, help="where the nights go (default: a new temporary folder)")
-    ap.add_argument("--compile", action="store_true", help="serve with torch.compile (enforce_eager: false) whatever the recipe says")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="serve with torch.compile (enforce_eager: false) whatever the recipe says",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the table here too")
-    ap.add_argument("--report-only", action="store_true", help="run nothing: print the table of the nights in --workdir")
+    ap.add_argument(
+        "--report-only", action="store_true", help="run nothing: print the table of the nights in --workdir"
+    )
     a = ap.parse_args()
     if a.report_only and not a.workdir:
         ap.error("--report-only needs --workdir")
@@ -87,14 +104,28 @@ def main() -> int:
         ap.error(str(e))
     work = (a.workdir or Path(tempfile.mkdtemp(prefix="qp-nightly-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    qp = [sys.executable, "-m", "quantpipe", "run", "--stages", "benchmark", *(["--artifacts", a.artifacts] if a.artifacts else [])]
+    qp = [
+        sys.executable,
+        "-m",
+        "quantpipe",
+        "run",
+        "--stages",
+        "benchmark",
+        *(["--artifacts", a.artifacts] if a.artifacts else []),
+    ]
     for n in [] if a.report_only else range(1, a.nights + 1):
         mode = "links" if n % 2 else "control"
         links = work / ("links" if mode == "links" else f"links-night{n}")
-        env = {**os.environ, "QUANTPIPE_CACHE": str(work / f"night{n}" / "cache"), "QUANTPIPE_SERVING_LINKS": str(links)}
+        env = {
+            **os.environ,
+            "QUANTPIPE_CACHE": str(work / f"night{n}" / "cache"),
+            "QUANTPIPE_SERVING_LINKS": str(links),
+        }
         t0 = time.perf_counter()
         p = subprocess.run([*qp, str(night_recipe(a.recipe, n, work, a.compile))], env=env)
-        (work / f"night{n}" / "night.json").write_text(json.dumps({"mode": mode, "wall_s": round(time.perf_counter() - t0, 1)}))
+        (work / f"night{n}" / "night.json").write_text(
+            json.dumps({"mode": mode, "wall_s": round(time.perf_counter() - t0, 1)})
+        )
         if p.returncode != 0:
             print(f"night {n}: quantpipe run exited {p.returncode}", file=sys.stderr)
             return 1
@@ -105,8 +136,10 @@ def main() -> int:
             table.append({"night": n, "mode": info["mode"], "night_wall_s": info["wall_s"], **s})
     print(f"\n{'night':>5} {'mode':8} {'artifact':12} {'variant':10} {'start s':>8}  compiled graphs")
     for t in table:
-        print(f"{t['night']:>5} {t['mode']:8} {t['artifact']:12} {t['variant']:10} {t['server_start_s']:>8}  "
-              f"{'loaded from the cache' if t['loaded_from_cache'] else 'compiled'}")
+        print(
+            f"{t['night']:>5} {t['mode']:8} {t['artifact']:12} {t['variant']:10} {t['server_start_s']:>8}  "
+            f"{'loaded from the cache' if t['loaded_from_cache'] else 'compiled'}"
+        )
     for t in table:
         print(f"\nnight {t['night']} ({t['mode']}) {t['artifact']}/{t['variant']} via {t['served_path']}:")
         print("\n".join(f"  {ln}" for ln in t["compile_log"]) or "  (no torch.compile lines: eager?)")

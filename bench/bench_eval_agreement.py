@@ -71,9 +71,17 @@ def compare(ours_dir: Path, cli_dir: Path, tasks: list[str]) -> dict:
                     gen_diff += t != m
         metrics = {k: v for k, v in ours[task].items() if "stderr" not in k and k != "alias"}
         theirs_m = {k: v for k, v in cli[task].items() if "stderr" not in k and k != "alias"}
-        out[task] = {"docs": len(mine), "docs_cli": len(theirs), "loglikelihoods": n_ll, "max_abs_loglik_diff": worst,
-                     "greedy_flags_differing": greedy_diff, "generations_differing": gen_diff,
-                     "metrics": metrics, "metrics_cli": theirs_m, "metrics_equal": metrics == theirs_m}
+        out[task] = {
+            "docs": len(mine),
+            "docs_cli": len(theirs),
+            "loglikelihoods": n_ll,
+            "max_abs_loglik_diff": worst,
+            "greedy_flags_differing": greedy_diff,
+            "generations_differing": gen_diff,
+            "metrics": metrics,
+            "metrics_cli": theirs_m,
+            "metrics_equal": metrics == theirs_m,
+        }
     return out
 
 
@@ -88,10 +96,28 @@ def main() -> int:
         print(f"{a.eval_out}: built with backend {s.get('backend')}, not vllm", file=sys.stderr)
         return 2
     model, kwargs, dropped = engine_args(ev["engine"]["serve_command"])
-    model_args = ",".join([f"pretrained={model}", *(f"{k}={v}" for k, v in kwargs.items()), f"add_bos_token={s['add_bos']}"])
+    model_args = ",".join(
+        [f"pretrained={model}", *(f"{k}={v}" for k, v in kwargs.items()), f"add_bos_token={s['add_bos']}"]
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "lm_eval", "--model", "vllm", "--model_args", model_args, "--tasks", ",".join(s["tasks"]),
-               "--batch_size", str(s["batch_size"]), "--seed", str(s["seed"]), "--output_path", tmp, "--log_samples"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "--model",
+            "vllm",
+            "--model_args",
+            model_args,
+            "--tasks",
+            ",".join(s["tasks"]),
+            "--batch_size",
+            str(s["batch_size"]),
+            "--seed",
+            str(s["seed"]),
+            "--output_path",
+            tmp,
+            "--log_samples",
+        ]
         for flag, key in (("--include_path", "include_path"), ("--limit", "limit"), ("--num_fewshot", "num_fewshot")):
             if s.get(key) is not None:
                 cmd += [flag, str(s[key])]
@@ -104,9 +130,17 @@ def main() -> int:
             print((p.stdout + p.stderr)[-4000:], file=sys.stderr)
             return 1
         tasks = compare(a.eval_out, Path(tmp), s["tasks"])
-    result = {"eval_out": str(a.eval_out), "shared_server": ev["engine"].get("shared"), "serve_command": ev["engine"]["serve_command"],
-              "lm_eval_command": ev.get("lm_eval_command"), "cli_command": shlex.join(["lm_eval", *cmd[3:]]),
-              "flags_not_passed": dropped, "cli_wall_s": round(wall, 1), "versions": ev.get("versions"), "tasks": tasks}
+    result = {
+        "eval_out": str(a.eval_out),
+        "shared_server": ev["engine"].get("shared"),
+        "serve_command": ev["engine"]["serve_command"],
+        "lm_eval_command": ev.get("lm_eval_command"),
+        "cli_command": shlex.join(["lm_eval", *cmd[3:]]),
+        "flags_not_passed": dropped,
+        "cli_wall_s": round(wall, 1),
+        "versions": ev.get("versions"),
+        "tasks": tasks,
+    }
     print(json.dumps(result, indent=1))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))

@@ -71,11 +71,19 @@ def main() -> int:
 
     model_dir = args.model.resolve()
     cal_path = (args.calibration or model_dir.parent / "data" / "calibration.jsonl").resolve()
-    recipe = Recipe.model_validate({
-        "name": "bench", "output_dir": tempfile.gettempdir(), "base": {"model": str(model_dir)},
-        "calibration": {"sources": [{"path": str(cal_path)}], "num_samples": args.num_samples, "max_seq_len": args.max_seq_len},
-        "artifacts": [{"name": "a", **METHODS[args.method]}],
-    })
+    recipe = Recipe.model_validate(
+        {
+            "name": "bench",
+            "output_dir": tempfile.gettempdir(),
+            "base": {"model": str(model_dir)},
+            "calibration": {
+                "sources": [{"path": str(cal_path)}],
+                "num_samples": args.num_samples,
+                "max_seq_len": args.max_seq_len,
+            },
+            "artifacts": [{"name": "a", **METHODS[args.method]}],
+        }
+    )
     a = recipe.artifacts[0]
     inp = QuantizeInput(artifact=a, calibration=recipe.calibration, base=recipe.base)  # what the runner hands the stage
     dtype = getattr(torch, recipe.base.dtype)
@@ -129,10 +137,15 @@ def main() -> int:
     # best of N: on a shared machine the minimum is the run least disturbed by other work.
     # CPU time (all threads of this process) is reported too: it barely moves when others load the machine.
     r = {
-        "model": str(model_dir), "method": args.method, "scheme": quantize.scheme_name(a),
-        "samples": len(prepared.input_ids) if prepared else 0, "tokens": prepared.n_tokens if prepared else 0,
-        "stage_wall_s": [round(t, 3) for t in wall["stage"]], "bare_wall_s": [round(t, 3) for t in wall["bare"]],
-        "stage_cpu_s": [round(t, 3) for t in cpu["stage"]], "bare_cpu_s": [round(t, 3) for t in cpu["bare"]],
+        "model": str(model_dir),
+        "method": args.method,
+        "scheme": quantize.scheme_name(a),
+        "samples": len(prepared.input_ids) if prepared else 0,
+        "tokens": prepared.n_tokens if prepared else 0,
+        "stage_wall_s": [round(t, 3) for t in wall["stage"]],
+        "bare_wall_s": [round(t, 3) for t in wall["bare"]],
+        "stage_cpu_s": [round(t, 3) for t in cpu["stage"]],
+        "bare_cpu_s": [round(t, 3) for t in cpu["bare"]],
         "wall_ratio": round(min(wall["stage"]) / min(wall["bare"]), 4),
         "cpu_ratio": round(min(cpu["stage"]) / min(cpu["bare"]), 4),
         "median_wall_ratio": round(statistics.median(wall["stage"]) / statistics.median(wall["bare"]), 4),
@@ -142,9 +155,11 @@ def main() -> int:
     if cuda:
         r |= {"stage_peak_gpu_gib": peak["stage"], "bare_peak_gpu_gib": peak["bare"]}
     print(json.dumps(r, indent=2))
-    print(f"\n{args.method}: stage {min(wall['stage']):.2f} s wall / {min(cpu['stage']):.2f} s CPU, "
-          f"bare oneshot {min(wall['bare']):.2f} s wall / {min(cpu['bare']):.2f} s CPU; "
-          f"ratio {r['wall_ratio']:.3f}x wall, {r['cpu_ratio']:.3f}x CPU (target <= 1.05); same weights: {r['same_weights']}")
+    print(
+        f"\n{args.method}: stage {min(wall['stage']):.2f} s wall / {min(cpu['stage']):.2f} s CPU, "
+        f"bare oneshot {min(wall['bare']):.2f} s wall / {min(cpu['bare']):.2f} s CPU; "
+        f"ratio {r['wall_ratio']:.3f}x wall, {r['cpu_ratio']:.3f}x CPU (target <= 1.05); same weights: {r['same_weights']}"
+    )
     return 0
 
 

@@ -39,7 +39,9 @@ from quantpipe.recipe import RecipeError, load  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("recipe", type=Path)
-    ap.add_argument("--workdir", type=Path, default=None, help="where the caches and outputs go (default: a new temporary folder)")
+    ap.add_argument(
+        "--workdir", type=Path, default=None, help="where the caches and outputs go (default: a new temporary folder)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args, run_args = ap.parse_known_args()
     try:
@@ -61,8 +63,22 @@ def main() -> int:
             env = {**os.environ, MARK: c.mark, "TMPDIR": str(run_dir)}
             t0 = time.monotonic()
             with open(run_dir / "console.log", "w") as log:
-                rc = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(path), "--cache", str(run_dir / "cache"), *run_args, *extra],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+                rc = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "quantpipe",
+                        "run",
+                        str(path),
+                        "--cache",
+                        str(run_dir / "cache"),
+                        *run_args,
+                        *extra,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                ).returncode
             walls[executor] = round(time.monotonic() - t0, 1)
             if rc != 0:
                 print(f"the {executor} run failed (exit {rc}): see {run_dir / 'console.log'}", file=sys.stderr)
@@ -70,12 +86,21 @@ def main() -> int:
             rec = json.loads(sorted((run_dir / "out" / "runs").glob("*/run.json"))[-1].read_text())
             stages[executor] = round(sum(st.get("stage_wall_s") or 0 for st in rec["stages"].values()), 1)
     rest = {e: round(walls[e] - stages[e], 1) for e in walls}
-    result = {"recipe": str(args.recipe), "args": run_args, "wall_s": walls, "stages_s": stages, "rest_s": rest,
-              "wall_ratio": round(walls["ray"] / walls["local"], 3), "ray_adds_of_local_wall": round((rest["ray"] - rest["local"]) / walls["local"], 3)}
+    result = {
+        "recipe": str(args.recipe),
+        "args": run_args,
+        "wall_s": walls,
+        "stages_s": stages,
+        "rest_s": rest,
+        "wall_ratio": round(walls["ray"] / walls["local"], 3),
+        "ray_adds_of_local_wall": round((rest["ray"] - rest["local"]) / walls["local"], 3),
+    }
     print(f"{'executor':<10}{'wall':>10}{'stages':>10}{'rest':>10}")
     for e in ("local", "ray"):
         print(f"{e:<10}{walls[e]:>9.1f}s{stages[e]:>9.1f}s{rest[e]:>9.1f}s")
-    print(f"ray/local wall {result['wall_ratio']:.3f}; what Ray adds around the stages: {100 * result['ray_adds_of_local_wall']:.1f} % of the local wall time")
+    print(
+        f"ray/local wall {result['wall_ratio']:.3f}; what Ray adds around the stages: {100 * result['ray_adds_of_local_wall']:.1f} % of the local wall time"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(json.dumps(result))

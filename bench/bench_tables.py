@@ -30,30 +30,45 @@ def _split(kind: str, m: dict) -> str:
         t = m.get("timings") or {}
         return ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in t.items() if isinstance(v, (int, float)))
     if kind == "package":
-        return f"{m.get('shards')} shards, {m.get('hardlinked_shards')} hard-linked" + (", re-sharded" if m.get("resharded") else "")
+        return f"{m.get('shards')} shards, {m.get('hardlinked_shards')} hard-linked" + (
+            ", re-sharded" if m.get("resharded") else ""
+        )
     if kind == "merge":
         return f"max |Δlogit| {m.get('merge_max_abs_diff', 0):.1e} (tolerance {m.get('merge_tolerance', 0):.1e})"
     return ""
 
 
 def stage_table(rec: dict) -> tuple[list[str], float]:
-    rows = ["| stage | wall (runner) | inside the stage | split | peak RSS | peak GPU |", "| --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| stage | wall (runner) | inside the stage | split | peak RSS | peak GPU |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     total = 0.0
     for sid, s in rec["stages"].items():
         m = s.get("metrics") or {}
         wall = s.get("stage_wall_s") or s.get("wall_s")
         total += wall or 0
-        gpu = m.get("peak_gpu_gib") if m.get("peak_gpu_gib") is not None else (m.get("memory") or {}).get("peak_gpu_gib")
-        rows.append(f"| {sid} | {_f(wall, unit=' s')} | {_f(m.get('wall_s'), unit=' s')} | {_split(s['kind'], m)} | "
-                    f"{_f(m.get('peak_rss_gib'), '{:.1f}', ' GiB')} | {_f(gpu, '{:.2f}', ' GiB')} |")
+        gpu = (
+            m.get("peak_gpu_gib") if m.get("peak_gpu_gib") is not None else (m.get("memory") or {}).get("peak_gpu_gib")
+        )
+        rows.append(
+            f"| {sid} | {_f(wall, unit=' s')} | {_f(m.get('wall_s'), unit=' s')} | {_split(s['kind'], m)} | "
+            f"{_f(m.get('peak_rss_gib'), '{:.1f}', ' GiB')} | {_f(gpu, '{:.2f}', ' GiB')} |"
+        )
     return rows, total
 
 
 def artifact_table(rec: dict) -> list[str]:
-    benches = {sid.split(":", 1)[1]: s.get("metrics") or {} for sid, s in rec["stages"].items() if sid.startswith("benchmark:")}
-    base = {r["concurrency"]: r for r in benches.get("baseline", {}).get("results", []) if r.get("variant") == "default"}
-    rows = ["| artifact | weights | KV cache | concurrency | req/s | output tok/s | TTFT p50 / p99 | TPOT p50 / p99 | e2e p50 | goodput | vs BF16: e2e p50, tok/s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    benches = {
+        sid.split(":", 1)[1]: s.get("metrics") or {} for sid, s in rec["stages"].items() if sid.startswith("benchmark:")
+    }
+    base = {
+        r["concurrency"]: r for r in benches.get("baseline", {}).get("results", []) if r.get("variant") == "default"
+    }
+    rows = [
+        "| artifact | weights | KV cache | concurrency | req/s | output tok/s | TTFT p50 / p99 | TPOT p50 / p99 | e2e p50 | goodput | vs BF16: e2e p50, tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, b in benches.items():
         results = [r for r in b.get("results", []) if r.get("variant") == "default"]
         if not results:
@@ -62,12 +77,21 @@ def artifact_table(rec: dict) -> list[str]:
         mem = b.get("memory") or {}
         for i, r in enumerate(r for r in results if r["workload"] == first):
             br = base.get(r["concurrency"])
-            ratio = (f"{r['e2el_ms']['p50'] / br['e2el_ms']['p50']:.2f}×, {r['output_throughput'] / br['output_throughput']:.2f}×"
-                     if br and name != "baseline" else "")
-            head = f"| {name} | {_f(mem.get('weights_gib'), '{:.2f}', ' GiB')} | {mem.get('kv_cache_tokens'):,} tokens" if i == 0 else "| | |"
-            rows.append(f"{head} | {r['concurrency']} | {r['request_throughput']:.2f} | {r['output_throughput']:,.0f} | "
-                        f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} ms | {r['tpot_ms']['p50']:.2f} / {r['tpot_ms']['p99']:.2f} ms | "
-                        f"{r['e2el_ms']['p50']:,.0f} ms | {_f(r.get('goodput'), '{:.2f}')} | {ratio} |")
+            ratio = (
+                f"{r['e2el_ms']['p50'] / br['e2el_ms']['p50']:.2f}×, {r['output_throughput'] / br['output_throughput']:.2f}×"
+                if br and name != "baseline"
+                else ""
+            )
+            head = (
+                f"| {name} | {_f(mem.get('weights_gib'), '{:.2f}', ' GiB')} | {mem.get('kv_cache_tokens'):,} tokens"
+                if i == 0
+                else "| | |"
+            )
+            rows.append(
+                f"{head} | {r['concurrency']} | {r['request_throughput']:.2f} | {r['output_throughput']:,.0f} | "
+                f"{r['ttft_ms']['p50']:.1f} / {r['ttft_ms']['p99']:.1f} ms | {r['tpot_ms']['p50']:.2f} / {r['tpot_ms']['p99']:.2f} ms | "
+                f"{r['e2el_ms']['p50']:,.0f} ms | {_f(r.get('goodput'), '{:.2f}')} | {ratio} |"
+            )
     return rows
 
 

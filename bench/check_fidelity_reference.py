@@ -11,6 +11,7 @@ whether the output layer alone could be rebuilt (else the stage loads the whole 
 
 The windows' length and the token budget are the ones the baseline's evaluation recorded.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,9 +52,16 @@ def main() -> None:
     kept = load_reference(base_eval / REFERENCE, seqs)
     head = load_head(base_model, dtype, False, device, kept) if kept else None
     hidden = kept.states if kept else None
-    result = {"device": device, "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None, "dtype": dtype,
-              "torch": torch.__version__, "windows": len(seqs), "kept_hidden_states": kept is not None,
-              "output_layer_alone": head is not None, "artifacts": {}}
+    result = {
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "dtype": dtype,
+        "torch": torch.__version__,
+        "windows": len(seqs),
+        "kept_hidden_states": kept is not None,
+        "output_layer_alone": head is not None,
+        "artifacts": {},
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "artifacts"}), flush=True)
     ref = load_model(base_model, dtype, False, device)
     for d in sorted((stages / "evaluate").iterdir()):
@@ -61,7 +69,10 @@ def main() -> None:
             continue
         stage_fidelity = json.loads((one("*/out", d) / "evaluation.json").read_text())["fidelity"]
         model = load_model(one("*/out", stages / "quantize" / d.name), dtype, False, device)
-        row: dict = {"stage_kl_mean": stage_fidelity["kl_mean"], "stage_baseline_logits": stage_fidelity.get("baseline_logits")}
+        row: dict = {
+            "stage_kl_mean": stage_fidelity["kl_mean"],
+            "stage_baseline_logits": stage_fidelity.get("baseline_logits"),
+        }
         runs = {}
         for how, h in ([("kept", hidden)] if hidden is not None else []) + [("forward", None)]:
             if device == "cuda":
@@ -74,7 +85,9 @@ def main() -> None:
         if "kept" in runs:
             k, f = runs["kept"], runs["forward"]
             row["equal"] = k == f
-            row["max_abs_diff"] = {m: max(abs(x[m] - y[m]) for x, y in zip(k, f)) for m in ("kl", "agree", "nll", "nll_baseline")}
+            row["max_abs_diff"] = {
+                m: max(abs(x[m] - y[m]) for x, y in zip(k, f)) for m in ("kl", "agree", "nll", "nll_baseline")
+            }
             row["kl_mean_kept"] = sum(x["kl"] for x in k) / sum(x["n"] for x in k)
         row["kl_mean_forward"] = sum(x["kl"] for x in runs["forward"]) / sum(x["n"] for x in runs["forward"])
         result["artifacts"][d.name] = row

@@ -18,24 +18,74 @@ from pathlib import Path
 
 SHAPES = {
     # public config.json values of meta-llama/Meta-Llama-3-8B-Instruct and Qwen/Qwen2.5-7B-Instruct
-    "llama3-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen25-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                      num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0, max_position_embeddings=32768,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama3-8b": dict(
+        arch="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen25-7b": dict(
+        arch="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
     # public config.json of meta-llama/Llama-3.2-1B-Instruct: a model of real size that a CPU quantizes and
     # packages in minutes (the package stage's hashing, measured on the CPU)
-    "llama32-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                       rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "llama32-1b": dict(
+        arch="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
     # same architectures at test size, to check this script on a CPU
-    "llama-mini": dict(arch="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=2, vocab_size=16384, rope_theta=500000.0, max_position_embeddings=2048,
-                       rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "qwen-mini": dict(arch="qwen2", hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, vocab_size=16384, rope_theta=1000000.0, max_position_embeddings=2048,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "llama-mini": dict(
+        arch="llama",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=16384,
+        rope_theta=500000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+    "qwen-mini": dict(
+        arch="qwen2",
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=16384,
+        rope_theta=1000000.0,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -67,16 +117,29 @@ def build(shape: str, tokenizer: Path, out: Path, lora_rank: int = 16, seed: int
     base = out / "base"
     model.save_pretrained(base, max_shard_size="5GB")
     tok.save_pretrained(base)
-    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=False).save_pretrained(base)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, do_sample=False).save_pretrained(
+        base
+    )
     t_save = time.perf_counter() - t0 - t_init
-    lcfg = LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    lcfg = LoraConfig(
+        r=lora_rank,
+        lora_alpha=2 * lora_rank,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
     peft_model = get_peft_model(model, lcfg)
     for n, p in peft_model.named_parameters():
         if "lora_B" in n:  # B starts at zero (a no-op adapter); make it a real one
             torch.nn.init.normal_(p, std=0.01)
     peft_model.save_pretrained(out / "lora")
-    info = {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "device": device,
-            "init_s": round(t_init, 2), "save_s": round(t_save, 2), "lora_rank": lora_rank}
+    info = {
+        "shape": shape,
+        "params": sum(p.numel() for p in model.parameters()),
+        "device": device,
+        "init_s": round(t_init, 2),
+        "save_s": round(t_save, 2),
+        "lora_rank": lora_rank,
+    }
     (out / "shape.json").write_text(json.dumps(info, indent=2))
     return info
 

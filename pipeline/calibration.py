@@ -56,7 +56,9 @@ class Prepared:
         """A tokenized `datasets.Dataset` (input_ids + attention_mask): oneshot skips its own tokenizing."""
         from datasets import Dataset
 
-        return Dataset.from_dict({"input_ids": self.input_ids, "attention_mask": [[1] * len(i) for i in self.input_ids]})
+        return Dataset.from_dict(
+            {"input_ids": self.input_ids, "attention_mask": [[1] * len(i) for i in self.input_ids]}
+        )
 
     def provenance(self, calibration: Calibration) -> dict:
         return {
@@ -120,7 +122,9 @@ def _records(s: CalibrationSource, i: int) -> list[tuple[str, Any]]:
                 try:
                     out.append((f"{p}:{n}", json.loads(line)))
                 except json.JSONDecodeError as e:
-                    raise StageError(f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line") from None
+                    raise StageError(
+                        f"{p}:{n}: not valid JSON ({e.msg} at column {e.colno}); fix or remove that line"
+                    ) from None
         return out
     if suffix == ".json":
         try:
@@ -132,13 +136,17 @@ def _records(s: CalibrationSource, i: int) -> list[tuple[str, Any]]:
         if isinstance(data, dict) and isinstance(data.get("data"), list):
             data = data["data"]
         if not isinstance(data, list):
-            raise StageError(f"{p}: a .json calibration file must hold a list of rows (objects); got {type(data).__name__}. Use .jsonl for one row per line")
+            raise StageError(
+                f"{p}: a .json calibration file must hold a list of rows (objects); got {type(data).__name__}. Use .jsonl for one row per line"
+            )
         return [(f"{p} row {n}", r) for n, r in enumerate(data)]
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise StageError(f"{p}: reading .parquet needs pyarrow in this environment; install it or convert the file to .jsonl") from None
+            raise StageError(
+                f"{p}: reading .parquet needs pyarrow in this environment; install it or convert the file to .jsonl"
+            ) from None
         try:
             table = pq.read_table(p)
         except Exception as e:
@@ -153,7 +161,9 @@ def _hub_records(s: CalibrationSource, i: int) -> "_HubRows":
     try:
         from datasets import load_dataset
     except ImportError:
-        raise StageError(f"{_label(i, s)}: hub datasets need the `datasets` package; install it or export the data to a local .jsonl") from None
+        raise StageError(
+            f"{_label(i, s)}: hub datasets need the `datasets` package; install it or export the data to a local .jsonl"
+        ) from None
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         offline = " (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set)"
     else:
@@ -168,7 +178,9 @@ def _hub_records(s: CalibrationSource, i: int) -> "_HubRows":
         ) from None
     col = s.column
     if col is not None and col not in ds.column_names:
-        raise StageError(f"{_label(i, s)}: split {s.split!r} has no column {col!r}; it has {', '.join(ds.column_names)}. Fix `column`")
+        raise StageError(
+            f"{_label(i, s)}: split {s.split!r} has no column {col!r}; it has {', '.join(ds.column_names)}. Fix `column`"
+        )
     return _HubRows(ds, f"{s.dataset}[{s.split}]")
 
 
@@ -191,24 +203,38 @@ def _row(where: str, rec: Any, column: str | None, mode: str, hub: bool) -> Row 
         raise StageError(f"{where}: a row must be a JSON object with `text` or `messages`, got {type(rec).__name__}")
     if column is not None:
         if column not in rec:
-            raise StageError(f"{where}: no field {column!r} (the source's `column`); the row has {', '.join(map(str, rec)) or 'no fields'}")
+            raise StageError(
+                f"{where}: no field {column!r} (the source's `column`); the row has {', '.join(map(str, rec)) or 'no fields'}"
+            )
         value = rec[column]
         kind = "messages" if isinstance(value, list) else "text"
     else:
         has_m, has_t = "messages" in rec, "text" in rec
         if mode == "always" and not has_m:
-            raise StageError(f"{where}: chat_template is `always` but the row has no `messages`; add them or set calibration.chat_template: auto")
+            raise StageError(
+                f"{where}: chat_template is `always` but the row has no `messages`; add them or set calibration.chat_template: auto"
+            )
         if mode == "never" and not has_t:
-            raise StageError(f"{where}: chat_template is `never` but the row has no `text` field; add one or set calibration.chat_template: auto")
+            raise StageError(
+                f"{where}: chat_template is `never` but the row has no `text` field; add one or set calibration.chat_template: auto"
+            )
         if not has_m and not has_t:
-            raise StageError(f"{where}: no `text` or `messages` field (it has {', '.join(map(str, rec)) or 'none'}); add one or set the source's `column`")
+            raise StageError(
+                f"{where}: no `text` or `messages` field (it has {', '.join(map(str, rec)) or 'none'}); add one or set the source's `column`"
+            )
         kind = "messages" if has_m and mode != "never" else "text"
         value = rec[kind]
     if kind == "messages":
         if mode == "never":
-            raise StageError(f"{where}: field {column!r} holds chat messages but chat_template is `never`; point `column` at a text field")
-        if not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value):
-            raise StageError(f"{where}: `messages` must be a non-empty list of {{role, content}} objects with string values")
+            raise StageError(
+                f"{where}: field {column!r} holds chat messages but chat_template is `never`; point `column` at a text field"
+            )
+        if not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        ):
+            raise StageError(
+                f"{where}: `messages` must be a non-empty list of {{role, content}} objects with string values"
+            )
         if not any(m["content"].strip() for m in value):
             if hub:
                 return None
@@ -256,14 +282,31 @@ def _draw(s: CalibrationSource, i: int, want: int, c: Calibration) -> tuple[list
             log.warning("%s: skipped %d empty rows", _label(i, s), seen - len(taken))
         usable = len(taken) if len(taken) < want else None  # unknown unless the whole split was read
     if not taken:
-        raise StageError(f"{_label(i, s)}: no usable rows (it is empty); add rows with `text` or `messages`, or remove the source")
+        raise StageError(
+            f"{_label(i, s)}: no usable rows (it is empty); add rows with `text` or `messages`, or remove the source"
+        )
     if len(taken) < want:
         log.warning(
             "%s: asked for %d samples (weight %.3g of %d) but it has %d usable rows; using all %d",
-            _label(i, s), want, s.weight, c.num_samples, len(taken), len(taken),
+            _label(i, s),
+            want,
+            s.weight,
+            c.num_samples,
+            len(taken),
+            len(taken),
         )
-    entry = {"dataset": s.dataset, "split": s.split} if hub else {"path": s.path, "file_sha256": file_sha256(Path(s.path))}
-    return taken, {**entry, "column": s.column, "weight": s.weight, "rows": len(recs), "usable_rows": usable, "asked": want, "taken": len(taken)}
+    entry = (
+        {"dataset": s.dataset, "split": s.split} if hub else {"path": s.path, "file_sha256": file_sha256(Path(s.path))}
+    )
+    return taken, {
+        **entry,
+        "column": s.column,
+        "weight": s.weight,
+        "rows": len(recs),
+        "usable_rows": usable,
+        "asked": want,
+        "taken": len(taken),
+    }
 
 
 def select(calibration: Calibration) -> tuple[list[Row], list[dict]]:
@@ -277,7 +320,11 @@ def select(calibration: Calibration) -> tuple[list[Row], list[dict]]:
         chosen += rows
         info.append(entry)
     if len(chosen) < c.num_samples:
-        log.warning("calibration: %d samples instead of the %d asked for (the sources hold too few rows)", len(chosen), c.num_samples)
+        log.warning(
+            "calibration: %d samples instead of the %d asked for (the sources hold too few rows)",
+            len(chosen),
+            c.num_samples,
+        )
     if c.shuffle:
         random.Random(c.seed).shuffle(chosen)
     return chosen, info
@@ -315,7 +362,9 @@ def render(rows: list[Row], tokenizer) -> list[tuple[str, bool]]:
         try:
             text = tokenizer.apply_chat_template(r.messages, tokenize=False)
         except Exception as e:  # template errors (e.g. roles the template refuses)
-            raise StageError(f"{r.where}: the model's chat template failed on this row ({type(e).__name__}: {e}); fix the row's roles/order") from None
+            raise StageError(
+                f"{r.where}: the model's chat template failed on this row ({type(e).__name__}: {e}); fix the row's roles/order"
+            ) from None
         out.append((text, True))
     return out
 
@@ -337,6 +386,8 @@ def prepare(calibration: Calibration, tokenizer) -> Prepared:
     if truncated:
         log.warning(
             "calibration: %d of %d samples were longer than max_seq_len=%d tokens and were truncated",
-            truncated, len(ids), calibration.max_seq_len,
+            truncated,
+            len(ids),
+            calibration.max_seq_len,
         )
     return Prepared(ids, rows, truncated, info)

@@ -34,7 +34,9 @@ class BadInput(click.ClickException):
 def _console(quiet: bool = False):
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False, soft_wrap=True, force_terminal=False if quiet else None)  # --quiet: no control codes
+    return Console(
+        stderr=True, highlight=False, soft_wrap=True, force_terminal=False if quiet else None
+    )  # --quiet: no control codes
 
 
 def _tracking(recipe, uri: str | None) -> tuple[str, str | None] | None:
@@ -84,11 +86,17 @@ def _after_run(console, runner, tracking, refresh_history: bool, plain: bool) ->
         uri, experiment = tracking
         try:
             done = log_run(run_dir, uri, experiment)
-            console.print(f"MLflow: logged run {escape(run_dir.name)} to {escape(uri)} (experiment {escape(done['experiment'])}, "
-                          f"{len(done['models'])} model version(s))", highlight=False)
+            console.print(
+                f"MLflow: logged run {escape(run_dir.name)} to {escape(uri)} (experiment {escape(done['experiment'])}, "
+                f"{len(done['models'])} model version(s))",
+                highlight=False,
+            )
         except MlflowUnavailable as e:
-            console.print(f"[yellow]MLflow: not logged: {escape(str(e))}; the run's files are its record, and "
-                          f"`quantpipe history {escape(str(runner.out_dir))} --push-mlflow {escape(uri)}` logs it later[/yellow]", highlight=False)
+            console.print(
+                f"[yellow]MLflow: not logged: {escape(str(e))}; the run's files are its record, and "
+                f"`quantpipe history {escape(str(runner.out_dir))} --push-mlflow {escape(uri)}` logs it later[/yellow]",
+                highlight=False,
+            )
     if refresh_history:
         from .history import HistoryError, write_history
 
@@ -109,9 +117,14 @@ def _load(path: str):
     try:
         problems = input_problems(r)
     except OSError as e:  # a path the file system refuses while looking (permissions, a name too long): name it
-        raise BadInput(f"{path}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path") from None
+        raise BadInput(
+            f"{path}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path"
+        ) from None
     if problems:
-        raise BadInput(f"{path}: {len(problems)} problem(s) found before running anything:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise BadInput(
+            f"{path}: {len(problems)} problem(s) found before running anything:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )
     return r
 
 
@@ -182,28 +195,93 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--stages", default=None, help="Run only these stage kinds (and what they need). " + STAGE_HELP)
 @click.option("--artifacts", default=None, help="Build only these artifacts (comma-separated names).")
 @click.option("--wait", is_flag=True, help="If another run holds the output directory, wait for it instead of failing.")
-@click.option("--stage-timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MINUTES",
-              help="Stop any stage that runs longer than this (and its processes; a benchmark sharing its GPU does not count the "
-                   "time it waits for its turn to measure); the run goes on with the others and exits non-zero.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, metavar="N",
-              help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting). "
-                   "Without GPUs, N > 1 shares the CPU; a benchmark still measures with the host to itself.")
-@click.option("--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them).")
-@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="Where stages run: on this host, or as Ray tasks on a Ray cluster's nodes (docs/cluster.md).")
-@click.option("--address", default=None, metavar="auto|HOST:PORT",
-              help="With --executor ray: the cluster's head (default auto: $RAY_ADDRESS, else the cluster `ray start` began on this host).")
-@click.option("--cache", "cache_dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
-              help="The stage cache of every recipe (over cache_dir and $QUANTPIPE_CACHE); with Ray, storage every node mounts at this path.")
-@click.option("--matrix-dir", default=None, type=click.Path(file_okay=False), metavar="DIR",
-              help="Where several recipes' index goes (matrix.json, matrix.html); default: their output directories' common parent.")
-@click.option("-q", "--quiet", is_flag=True, help="No live status lines and no colour: plain lines, as for a CI log (also when not on a terminal).")
-@click.option("--mlflow", "mlflow_uri", default=None, metavar="URI", help="Log the run to this MLflow tracking server and register its packages "
-              "(overrides the recipe's tracking.mlflow.uri); a server that is down does not fail the run.")
-@click.option("--history", "refresh_history", is_flag=True, help="Refresh <output_dir>/history.html after the run (as `quantpipe history`).")
+@click.option(
+    "--stage-timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="MINUTES",
+    help="Stop any stage that runs longer than this (and its processes; a benchmark sharing its GPU does not count the "
+    "time it waits for its turn to measure); the run goes on with the others and exits non-zero.",
+)
+@click.option(
+    "--jobs",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="At most N stages at once (default: 1 without GPUs, 4 per GPU with them; GPUs and memory permitting). "
+    "Without GPUs, N > 1 shares the CPU; a benchmark still measures with the host to itself.",
+)
+@click.option(
+    "--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them)."
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where stages run: on this host, or as Ray tasks on a Ray cluster's nodes (docs/cluster.md).",
+)
+@click.option(
+    "--address",
+    default=None,
+    metavar="auto|HOST:PORT",
+    help="With --executor ray: the cluster's head (default auto: $RAY_ADDRESS, else the cluster `ray start` began on this host).",
+)
+@click.option(
+    "--cache",
+    "cache_dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="The stage cache of every recipe (over cache_dir and $QUANTPIPE_CACHE); with Ray, storage every node mounts at this path.",
+)
+@click.option(
+    "--matrix-dir",
+    default=None,
+    type=click.Path(file_okay=False),
+    metavar="DIR",
+    help="Where several recipes' index goes (matrix.json, matrix.html); default: their output directories' common parent.",
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No live status lines and no colour: plain lines, as for a CI log (also when not on a terminal).",
+)
+@click.option(
+    "--mlflow",
+    "mlflow_uri",
+    default=None,
+    metavar="URI",
+    help="Log the run to this MLflow tracking server and register its packages "
+    "(overrides the recipe's tracking.mlflow.uri); a server that is down does not fail the run.",
+)
+@click.option(
+    "--history",
+    "refresh_history",
+    is_flag=True,
+    help="Refresh <output_dir>/history.html after the run (as `quantpipe history`).",
+)
 @click.pass_context
-def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jobs, gpu_select, executor, address, cache_dir, matrix_dir, quiet,
-        mlflow_uri, refresh_history):
+def run(
+    ctx,
+    recipes,
+    dry_run,
+    force,
+    stages,
+    artifacts,
+    wait,
+    stage_timeout,
+    jobs,
+    gpu_select,
+    executor,
+    address,
+    cache_dir,
+    matrix_dir,
+    quiet,
+    mlflow_uri,
+    refresh_history,
+):
     """Run each RECIPE's stages, reusing every cached one. Several recipes share the stage cache (an entry they have in
     common is built once), each gets its report, and the matrix one index (matrix.html)."""
     from .envs import EnvError, platform_override
@@ -216,7 +294,9 @@ def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jo
     if address is not None and executor != "ray":
         raise BadInput("--address names a Ray cluster: add --executor ray, or drop --address")
     if gpu_select and executor == "ray":
-        raise BadInput("--gpus picks this host's GPUs; with --executor ray, Ray places each stage on a node's GPUs: drop --gpus")
+        raise BadInput(
+            "--gpus picks this host's GPUs; with --executor ray, Ray places each stage on a node's GPUs: drop --gpus"
+        )
     loaded = []
     for recipe in recipes:
         r = _load(recipe)
@@ -229,21 +309,41 @@ def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jo
         loaded.append((r, recipe))
     matrix = len(loaded) > 1 or executor == "ray" or matrix_dir
     if matrix and (mlflow_uri or refresh_history):
-        raise BadInput("--mlflow and --history log one recipe's run on this host: run each recipe on its own for them, or drop them")
+        raise BadInput(
+            "--mlflow and --history log one recipe's run on this host: run each recipe on its own for them, or drop them"
+        )
     tracking = None if matrix else _tracking(loaded[0][0], mlflow_uri)
     kinds = _csv(stages)
     if kinds and not kinds <= set(KINDS):
-        raise BadInput(f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}")
+        raise BadInput(
+            f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}"
+        )
     forced = _csv(force) or set()
     targets = {a.name for rr, _ in loaded for a in rr.artifacts} | {"baseline"}
-    bad = {f for f in forced if f != "all" and (f.split(":")[0] not in KINDS or (":" in f and f.split(":", 1)[1] not in targets))}
+    bad = {
+        f
+        for f in forced
+        if f != "all" and (f.split(":")[0] not in KINDS or (":" in f and f.split(":", 1)[1] not in targets))
+    }
     if bad:
-        raise BadInput(f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all")
+        raise BadInput(
+            f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all"
+        )
     console = _console(quiet)
     timeout_s = stage_timeout * 60 if stage_timeout else None
     try:
-        runners = [Runner(rr, Path(p), console=console, verbose=ctx.obj["verbose"], stage_timeout_s=timeout_s, jobs=jobs, gpu_select=gpu_select)
-                   for rr, p in (loaded if dry_run else loaded[:1])]
+        runners = [
+            Runner(
+                rr,
+                Path(p),
+                console=console,
+                verbose=ctx.obj["verbose"],
+                stage_timeout_s=timeout_s,
+                jobs=jobs,
+                gpu_select=gpu_select,
+            )
+            for rr, p in (loaded if dry_run else loaded[:1])
+        ]
     except ValueError as e:  # --gpus naming a GPU this host does not have
         raise BadInput(str(e)) from None
     runner = runners[0]
@@ -254,7 +354,10 @@ def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jo
             for runner, (_, recipe) in zip(runners, loaded):
                 rows = runner.dry_run(forced, kinds, _csv(artifacts))
                 gpu = any(row["gpu_gib"] is not None for row in rows)
-                t = Table(title=f"plan for {recipe} (nothing written)", caption="RAM, disk" + (", GPU" if gpu else "") + ": pre-flight estimates in GiB")
+                t = Table(
+                    title=f"plan for {recipe} (nothing written)",
+                    caption="RAM, disk" + (", GPU" if gpu else "") + ": pre-flight estimates in GiB",
+                )
                 for col in ("stage", "env", "key", "cache", "RAM", *(("GPU",) if gpu else ()), "disk"):
                     t.add_column(col, no_wrap=True)
                 gib = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
@@ -268,9 +371,23 @@ def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jo
         if matrix:  # the matrix, or a recipe's stages as Ray tasks (run/matrix.py)
             from .run.matrix import run_matrix
 
-            sys.exit(run_matrix(loaded, executor=executor, address=address or "auto", jobs=jobs, console=console, verbose=ctx.obj["verbose"],
-                                stage_timeout_s=timeout_s, force=forced, kinds=kinds, artifacts=_csv(artifacts), wait=wait,
-                                index_dir=Path(matrix_dir) if matrix_dir else None, gpu_select=gpu_select))
+            sys.exit(
+                run_matrix(
+                    loaded,
+                    executor=executor,
+                    address=address or "auto",
+                    jobs=jobs,
+                    console=console,
+                    verbose=ctx.obj["verbose"],
+                    stage_timeout_s=timeout_s,
+                    force=forced,
+                    kinds=kinds,
+                    artifacts=_csv(artifacts),
+                    wait=wait,
+                    index_dir=Path(matrix_dir) if matrix_dir else None,
+                    gpu_select=gpu_select,
+                )
+            )
         from contextlib import nullcontext
 
         from .console import LiveStatus
@@ -293,8 +410,18 @@ def run(ctx, recipes, dry_run, force, stages, artifacts, wait, stage_timeout, jo
 @main.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--last", type=click.IntRange(min=1), default=None, metavar="N", help="Show only the last N runs.")
-@click.option("--push-mlflow", "push_uri", default=None, metavar="URI", help="Also log to this MLflow server every run it has not received yet.")
-@click.option("--experiment", default=None, help="MLflow experiment for --push-mlflow (default: the recipe's tracking.mlflow.experiment, else its name).")
+@click.option(
+    "--push-mlflow",
+    "push_uri",
+    default=None,
+    metavar="URI",
+    help="Also log to this MLflow server every run it has not received yet.",
+)
+@click.option(
+    "--experiment",
+    default=None,
+    help="MLflow experiment for --push-mlflow (default: the recipe's tracking.mlflow.experiment, else its name).",
+)
 def history(output_dir, last, push_uri, experiment):
     """Write OUTPUT_DIR/history.html and history.json: each artifact's figures across runs, regressions flagged."""
     from .history import HistoryError, write_history
@@ -313,8 +440,12 @@ def history(output_dir, last, push_uri, experiment):
         try:
             pushed, there = push_missing(Path(output_dir), push_uri, experiment)
         except MlflowUnavailable as e:
-            raise click.ClickException(f"{e}; nothing was lost: the runs not logged yet are pushed by the next --push-mlflow") from None
-        click.echo(f"MLflow {push_uri}: logged {len(pushed)} run(s){': ' + ', '.join(pushed) if pushed else ''}; {len(there)} were there already")
+            raise click.ClickException(
+                f"{e}; nothing was lost: the runs not logged yet are pushed by the next --push-mlflow"
+            ) from None
+        click.echo(
+            f"MLflow {push_uri}: logged {len(pushed)} run(s){': ' + ', '.join(pushed) if pushed else ''}; {len(there)} were there already"
+        )
 
 
 @main.command()
@@ -334,7 +465,12 @@ def verify(package_dir):
 @main.command()
 @click.argument("run_a", type=click.Path())
 @click.argument("run_b", type=click.Path(), required=False)
-@click.option("--against", type=click.Choice(["last-good"]), default=None, help="Compare RUN_A with the last good run in its output directory.")
+@click.option(
+    "--against",
+    type=click.Choice(["last-good"]),
+    default=None,
+    help="Compare RUN_A with the last good run in its output directory.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 def compare(run_a, run_b, against, as_json):
     """Compare two runs (run directories or run.json files): accuracy and latency deltas, noise-aware. Exit 3 on regression."""

@@ -37,6 +37,7 @@ NOISE = re.compile(r"^(W\d{4} |WARNING|warnings\.warn|\s*$|\$ )")  # lines that 
 @dataclass
 class _File:
     """A log the console follows from where it last read."""
+
     path: Path
     first_seen: float
     offset: int = 0
@@ -74,8 +75,14 @@ class LiveStatus:
     def __enter__(self):
         from rich.live import Live
 
-        self._live = Live(self, console=self.console, refresh_per_second=self.refresh, transient=True,
-                          redirect_stdout=False, redirect_stderr=False)
+        self._live = Live(
+            self,
+            console=self.console,
+            refresh_per_second=self.refresh,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
         self._live.start()
         return self
 
@@ -90,8 +97,14 @@ class LiveStatus:
         spec = _spec(cmd)
         from rich.spinner import Spinner
 
-        st = _Stage(id=spec.get("stage") or Path(log_path).stem, kind=spec.get("kind") or Path(log_path).stem.split("_")[0],
-                    out=Path(spec["out"]) if spec.get("out") else None, spec=spec, t0=time.time(), spinner=Spinner("dots", style="cyan"))
+        st = _Stage(
+            id=spec.get("stage") or Path(log_path).stem,
+            kind=spec.get("kind") or Path(log_path).stem.split("_")[0],
+            out=Path(spec["out"]) if spec.get("out") else None,
+            spec=spec,
+            t0=time.time(),
+            spinner=Spinner("dots", style="cyan"),
+        )
         with self._lock:
             self._stages[str(log_path)] = st
 
@@ -101,7 +114,7 @@ class LiveStatus:
             return
         text = ANSI.sub("", text[-4000:]).strip()  # a bar is short; a 100 kB log line must not cost the pump its pace
         bar = text.rfind("%|")  # the last bar of the line, matched around its "NN%|" only
-        m = TQDM.search(text[max(0, bar - 160):bar + 200]) if bar >= 0 else None
+        m = TQDM.search(text[max(0, bar - 160) : bar + 200]) if bar >= 0 else None
         if m is not None:
             st.progress = f"{m['desc'].strip() or 'progress'} {m['n']}/{m['total']}"
             layer = LAYER.search(m["desc"])
@@ -138,8 +151,12 @@ class LiveStatus:
         width = max(20, (self.console.width or 100) - 45)
         for st in stages:
             what = doing(st, now)
-            grid.add_row(st.spinner, Text(f"{st.id:<22}", style="bold"), Text(f"{_elapsed(now - st.t0):>6}"),
-                         Text(what if len(what) <= width else what[: width - 1] + "…"))
+            grid.add_row(
+                st.spinner,
+                Text(f"{st.id:<22}", style="bold"),
+                Text(f"{_elapsed(now - st.t0):>6}"),
+                Text(what if len(what) <= width else what[: width - 1] + "…"),
+            )
         return grid
 
 
@@ -162,7 +179,9 @@ def doing(st: _Stage, now: float) -> str:
         if "loglikelihood" in p or "generate" in p:
             st.lm_eval_seen = True
             return f"lm-eval {tasks + ': ' if tasks else ''}{p} requests"
-        if st.lm_eval_seen:  # after lm-eval the stage scores the validation set and the fidelity figures (no bars of their own)
+        if (
+            st.lm_eval_seen
+        ):  # after lm-eval the stage scores the validation set and the fidelity figures (no bars of their own)
             return "validation set and fidelity vs the baseline"
         return p
     return st.progress or (st.last[:120] if st.last else "starting: importing its libraries")
@@ -186,7 +205,9 @@ def _benchmark(st: _Stage, now: float) -> str | None:
     name = srv.path.stem.removeprefix("server-")
     if not srv.up:
         return f"server {name} starting ({now - srv.first_seen:.0f} s)"
-    benches = [st.files[str(p)] for p in found if p.name.startswith("bench-") and st.files[str(p)].first_seen >= srv.first_seen]
+    benches = [
+        st.files[str(p)] for p in found if p.name.startswith("bench-") and st.files[str(p)].first_seen >= srv.first_seen
+    ]
     if not benches:
         return f"server {name} up; warming up"
     bench = max(benches, key=lambda f: (f.first_seen, f.path.stat().st_mtime if f.path.exists() else 0))
@@ -213,7 +234,7 @@ def _bench_label(stem: str, spec: dict) -> str:
     rest = m["rest"]
     for v in sorted(variants, key=len, reverse=True):
         if rest.startswith(f"{v}-"):
-            return f"{'' if v == 'default' else v + ': '}{rest[len(v) + 1:]} {load}{run}"
+            return f"{'' if v == 'default' else v + ': '}{rest[len(v) + 1 :]} {load}{run}"
     return f"{rest} {load}{run}"
 
 
@@ -262,10 +283,20 @@ def summary_rows(summary: dict) -> list[list[str]]:
     rows = []
     for r in summary.get("rows") or []:
         ci = r.get("recovery_ci")
-        rec = "—" if r.get("recovery") is None else f"{r['recovery']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        rec = (
+            "—"
+            if r.get("recovery") is None
+            else f"{r['recovery']:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        )
         gci = r.get("goodput_ci")
-        good = "—" if r.get("goodput") is None else f"{sig(r['goodput'])}" + (f" [{sig(gci[0])}, {sig(gci[1])}]" if gci else "") + " req/s" + (
-            f" (c={r['best']['concurrency']})" if (r.get("best") or {}).get("concurrency") is not None else "")
+        good = (
+            "—"
+            if r.get("goodput") is None
+            else f"{sig(r['goodput'])}"
+            + (f" [{sig(gci[0])}, {sig(gci[1])}]" if gci else "")
+            + " req/s"
+            + (f" (c={r['best']['concurrency']})" if (r.get("best") or {}).get("concurrency") is not None else "")
+        )
         if r.get("goodput") is None and r.get("servable") is False:
             good = "not servable here"
         gate = r.get("gate") or "—"
@@ -273,7 +304,12 @@ def summary_rows(summary: dict) -> list[list[str]]:
             gate = f"{gate}; {', '.join(r['failed_stages'])}"
         name = r["artifact"] + (" ★" if (summary.get("recommendation") or {}).get("choice") == r["artifact"] else "")
         kci = r.get("kl_ci")
-        kl = "0" if r.get("baseline") else sig(r.get("kl_mean"), 2) + (f" [{sig(kci[0], 2)}, {sig(kci[1], 2)}]" if kci and r.get("kl_mean") is not None else "")
+        kl = (
+            "0"
+            if r.get("baseline")
+            else sig(r.get("kl_mean"), 2)
+            + (f" [{sig(kci[0], 2)}, {sig(kci[1], 2)}]" if kci and r.get("kl_mean") is not None else "")
+        )
         rows.append([name, human_bytes(r.get("size_bytes")), rec, kl, good, gate])
     return rows
 
@@ -307,6 +343,8 @@ def final_summary(console, summary: dict, report: Path | None, plain: bool) -> N
         t.add_row(*(escape(x) for x in r[:5]), f"[{c}]{escape(gate)}[/{c}]" if c else escape(gate))
     console.print(t)
     style = "green" if (summary.get("recommendation") or {}).get("choice") else "red"
-    console.print(f"[{style}]" + re.sub(r"`([^`]+)`", r"[bold]\1[/bold]", escape(sentence)) + f"[/{style}]", highlight=False)
+    console.print(
+        f"[{style}]" + re.sub(r"`([^`]+)`", r"[bold]\1[/bold]", escape(sentence)) + f"[/{style}]", highlight=False
+    )
     if report:
         console.print(f"report: {escape(str(report))}", highlight=False)

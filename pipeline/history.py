@@ -30,8 +30,13 @@ FIGURES = [  # key, title, unit, lower is better, log scale
     ("size_bytes", "Size", "MiB", True, False),
 ]
 # which compare findings flag which figure
-FLAGS = {"recovery": re.compile(r"recovery|validation"), "goodput": re.compile(r"goodput"), "ttft_p99_ms": re.compile(r"TTFT"),
-         "tpot_p99_ms": re.compile(r"TPOT"), "gate": re.compile(r"^gate |stage ")}
+FLAGS = {
+    "recovery": re.compile(r"recovery|validation"),
+    "goodput": re.compile(r"goodput"),
+    "ttft_p99_ms": re.compile(r"TTFT"),
+    "tpot_p99_ms": re.compile(r"TPOT"),
+    "gate": re.compile(r"^gate |stage "),
+}
 DONE = ("ok", "gate_failed", "failed")
 
 
@@ -63,31 +68,59 @@ def build(out_dir: Path, last: int | None = None) -> dict:
     out_dir = Path(out_dir)
     runs = load_runs(out_dir, last)
     everything = load_runs(out_dir)  # the reference of the first shown run may be older than --last
-    result = {"out_dir": str(out_dir.resolve()), "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "runs": [], "artifacts": {}, "regressions": []}
+    result = {
+        "out_dir": str(out_dir.resolve()),
+        "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "runs": [],
+        "artifacts": {},
+        "regressions": [],
+    }
     for rec, run_dir in runs:
         s = summarize(rec)
         ref = _last_good(rec, everything)
         cmp = compare_records(rec, ref[0]) if ref else None
         report = run_dir / "report.html"
         link = os.path.relpath(report, out_dir) if report.is_file() else None
-        run = {"run_id": rec.get("run_id"), "recipe_name": rec.get("recipe_name"), "started_at": rec.get("started_at"),
-               "status": rec.get("status"), "report": link, "dir": str(run_dir), "hardware": s["provenance"]["hardware_text"],
-               "recommended": s["recommendation"].get("choice"), "against": ref[0].get("run_id") if ref else None,
-               "same_hardware": cmp["same_hardware"] if cmp else None, "findings": cmp["findings"] if cmp else []}
+        run = {
+            "run_id": rec.get("run_id"),
+            "recipe_name": rec.get("recipe_name"),
+            "started_at": rec.get("started_at"),
+            "status": rec.get("status"),
+            "report": link,
+            "dir": str(run_dir),
+            "hardware": s["provenance"]["hardware_text"],
+            "recommended": s["recommendation"].get("choice"),
+            "against": ref[0].get("run_id") if ref else None,
+            "same_hardware": cmp["same_hardware"] if cmp else None,
+            "findings": cmp["findings"] if cmp else [],
+        }
         result["runs"].append(run)
         result["regressions"] += [{"run_id": run["run_id"], "finding": f} for f in run["findings"]]
         for r in s["rows"]:
             art = result["artifacts"].setdefault(r["artifact"], {"points": []})
             found = [f for f in (cmp or {}).get("artifacts", {}).get(r["artifact"], {}).get("regressions", [])]
             bp = r.get("best_point") or {}
-            art["points"].append({
-                "run_id": run["run_id"], "started_at": run["started_at"], "report": link, "gate": r["gate"],
-                "recommended": run["recommended"] == r["artifact"],
-                "recovery": r["recovery"], "recovery_ci": r.get("recovery_ci"), "kl_mean": r["kl_mean"],
-                "goodput": r["goodput"], "goodput_ci": r.get("goodput_ci"), "ttft_p99_ms": bp.get("ttft_p99_ms"), "ttft_p99_ci": bp.get("ttft_p99_ci"),
-                "tpot_p99_ms": bp.get("tpot_p99_ms"), "tpot_p99_ci": bp.get("tpot_p99_ci"), "size_bytes": r["size_bytes"],
-                "findings": found, "flags": sorted({k for k, rx in FLAGS.items() for f in found if rx.search(f)})})
+            art["points"].append(
+                {
+                    "run_id": run["run_id"],
+                    "started_at": run["started_at"],
+                    "report": link,
+                    "gate": r["gate"],
+                    "recommended": run["recommended"] == r["artifact"],
+                    "recovery": r["recovery"],
+                    "recovery_ci": r.get("recovery_ci"),
+                    "kl_mean": r["kl_mean"],
+                    "goodput": r["goodput"],
+                    "goodput_ci": r.get("goodput_ci"),
+                    "ttft_p99_ms": bp.get("ttft_p99_ms"),
+                    "ttft_p99_ci": bp.get("ttft_p99_ci"),
+                    "tpot_p99_ms": bp.get("tpot_p99_ms"),
+                    "tpot_p99_ci": bp.get("tpot_p99_ci"),
+                    "size_bytes": r["size_bytes"],
+                    "findings": found,
+                    "flags": sorted({k for k, rx in FLAGS.items() for f in found if rx.search(f)}),
+                }
+            )
     for run, label in zip(result["runs"], _labels(result["runs"])):
         run["label"] = label
     return result
@@ -96,8 +129,14 @@ def build(out_dir: Path, last: int | None = None) -> dict:
 def _last_good(rec: dict, runs: list[tuple[dict, Path]]) -> tuple[dict, Path] | None:
     """The latest run of the same recipe before `rec` with status ok (what `compare --against last-good` picks)."""
     start = str(rec.get("started_at") or "")
-    good = [(r, d) for r, d in runs if r.get("status") == "ok" and r.get("recipe_name") == rec.get("recipe_name")
-            and r.get("run_id") != rec.get("run_id") and str(r.get("started_at") or "") <= start]
+    good = [
+        (r, d)
+        for r, d in runs
+        if r.get("status") == "ok"
+        and r.get("recipe_name") == rec.get("recipe_name")
+        and r.get("run_id") != rec.get("run_id")
+        and str(r.get("started_at") or "") <= start
+    ]
     return good[-1] if good else None
 
 
@@ -116,7 +155,7 @@ def write_history(out_dir: Path, last: int | None = None) -> list[Path]:
 def _label(run: dict, seconds: bool = False) -> str:
     """A run's axis label: its start, "12-02 01:43" (with seconds where two runs start in the same minute)."""
     t = str(run.get("started_at") or run.get("run_id") or "?")
-    return t[5:19 if seconds else 16].replace("T", " ") if len(t) >= 19 else t
+    return t[5 : 19 if seconds else 16].replace("T", " ") if len(t) >= 19 else t
 
 
 def _labels(runs: list[dict]) -> list[str]:
@@ -134,11 +173,15 @@ def trend_plots(data: dict) -> list[dict]:
     runs = data["runs"]
     index = {r["run_id"]: i for i, r in enumerate(runs)}
     cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    colours = {name: cycle[i % len(cycle)] for i, name in enumerate(data["artifacts"])}  # one colour per artifact in every plot
+    colours = {
+        name: cycle[i % len(cycle)] for i, name in enumerate(data["artifacts"])
+    }  # one colour per artifact in every plot
     plots = []
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "quantpipe"}):
         for key, title, unit, lower, log in FIGURES:
-            series = [(name, [p for p in a["points"] if p.get(key) is not None]) for name, a in data["artifacts"].items()]
+            series = [
+                (name, [p for p in a["points"] if p.get(key) is not None]) for name, a in data["artifacts"].items()
+            ]
             series = [(n, ps) for n, ps in series if ps and not (key in ("recovery", "kl_mean") and n == "baseline")]
             if not series:
                 continue
@@ -146,9 +189,16 @@ def trend_plots(data: dict) -> list[dict]:
             fig.subplots_adjust(left=0.13, right=0.78, bottom=0.27, top=0.88)
             for k, (name, ps) in enumerate(series):
                 c = colours[name]
-                xs = [index[p["run_id"]] + (k - (len(series) - 1) / 2) * 0.04 for p in ps]  # a small dodge keeps equal points apart
+                xs = [
+                    index[p["run_id"]] + (k - (len(series) - 1) / 2) * 0.04 for p in ps
+                ]  # a small dodge keeps equal points apart
                 ys = [p[key] / 2**20 if key == "size_bytes" else p[key] for p in ps]
-                ci_key = {"recovery": "recovery_ci", "goodput": "goodput_ci", "ttft_p99_ms": "ttft_p99_ci", "tpot_p99_ms": "tpot_p99_ci"}.get(key)
+                ci_key = {
+                    "recovery": "recovery_ci",
+                    "goodput": "goodput_ci",
+                    "ttft_p99_ms": "ttft_p99_ci",
+                    "tpot_p99_ms": "tpot_p99_ci",
+                }.get(key)
                 cis = [p.get(ci_key) if ci_key else None for p in ps]
                 if any(cis):
                     lo = [y - ci[0] if ci else 0 for y, ci in zip(ys, cis)]
@@ -163,8 +213,15 @@ def trend_plots(data: dict) -> list[dict]:
                     ax.scatter(*zip(*bad), s=60, marker="x", color="#b3261e", zorder=4)
                 flagged = [(x, y, p) for x, y, p in zip(xs, ys, ps) if key in p["flags"]]
                 if flagged:
-                    ring = ax.scatter([x for x, _, _ in flagged], [y for _, y, _ in flagged], s=190, facecolors="none",
-                                      edgecolors="#d62728", linewidths=2, zorder=5)
+                    ring = ax.scatter(
+                        [x for x, _, _ in flagged],
+                        [y for _, y, _ in flagged],
+                        s=190,
+                        facecolors="none",
+                        edgecolors="#d62728",
+                        linewidths=2,
+                        zorder=5,
+                    )
                     ring.set_urls([p["report"] for _, _, p in flagged])
             if log:
                 ax.set_yscale("log")
@@ -179,7 +236,7 @@ def trend_plots(data: dict) -> list[dict]:
             fig.savefig(buf, format="svg")
             plt.close(fig)
             svg = buf.getvalue()
-            svg = svg[svg.index("<svg"):]
+            svg = svg[svg.index("<svg") :]
             plots.append({"name": key, "title": title, "svg": svg})
     return plots
 
@@ -190,13 +247,22 @@ def _render(data: dict, plots: list[dict]) -> str:
 
     from .common.fmt import fmt, human_bytes
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True, undefined=jinja2.ChainableUndefined,
-                             trim_blocks=True, lstrip_blocks=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        autoescape=True,
+        undefined=jinja2.ChainableUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     env.filters["fmt"] = fmt
     env.filters["bytes"] = human_bytes
-    return env.get_template("history.html.j2").render(h=data, plots=[{**p, "svg": markupsafe.Markup(p["svg"])} for p in plots],
-                                                      gate=lambda a, run_id: next((p for p in _d(data["artifacts"].get(a)).get("points", [])
-                                                                                  if p["run_id"] == run_id), None))
+    return env.get_template("history.html.j2").render(
+        h=data,
+        plots=[{**p, "svg": markupsafe.Markup(p["svg"])} for p in plots],
+        gate=lambda a, run_id: next(
+            (p for p in _d(data["artifacts"].get(a)).get("points", []) if p["run_id"] == run_id), None
+        ),
+    )
 
 
 def _atomic(path: Path, text: str) -> None:

@@ -123,30 +123,50 @@ def adapter_mismatch(adapter: Path, model: Path) -> str | None:
     o = text_part(ours)
     theirs_dir = conf.get("base_model_name_or_path")
     try:
-        local = isinstance(theirs_dir, str) and theirs_dir and (Path(theirs_dir) / "config.json").is_file() and Path(theirs_dir).resolve() != model.resolve()
+        local = (
+            isinstance(theirs_dir, str)
+            and theirs_dir
+            and (Path(theirs_dir) / "config.json").is_file()
+            and Path(theirs_dir).resolve() != model.resolve()
+        )
     except (OSError, RuntimeError):  # a name too long, a symlink loop: not a local model to compare with
         local = False
     if local:
         theirs = read_config(Path(theirs_dir)) or {}
         t = text_part(theirs)
-        diff = [f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}"] if theirs.get("model_type") != ours.get("model_type") else []
+        diff = (
+            [f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}"]
+            if theirs.get("model_type") != ours.get("model_type")
+            else []
+        )
         diff += [f"{k} {t[k]} vs {o[k]}" for k in ARCH_FIELDS if k in t and k in o and t[k] != o[k]]
         if diff:
-            return (f"was trained on {theirs_dir}, another architecture than base.model ({'; '.join(diff)}); "
-                    "use an adapter trained on this base model, or set base.model to the adapter's")
+            return (
+                f"was trained on {theirs_dir}, another architecture than base.model ({'; '.join(diff)}); "
+                "use an adapter trained on this base model, or set base.model to the adapter's"
+            )
     return _shape_mismatch(adapter / "adapter_model.safetensors", o)
 
 
 def _shape_mismatch(st: Path, c: dict) -> str | None:
     """LoRA A is [r, in], B is [out, r]: compare in/out with the projections the base's config implies."""
     try:
-        h, L, heads, inter = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"))
+        h, L, heads, inter = (
+            int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        )
         kv = int(c.get("num_key_value_heads") or heads)
         hd = int(c.get("head_dim") or h // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
-    dims = {"q_proj": (h, heads * hd), "k_proj": (h, kv * hd), "v_proj": (h, kv * hd), "o_proj": (heads * hd, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    dims = {
+        "q_proj": (h, heads * hd),
+        "k_proj": (h, kv * hd),
+        "v_proj": (h, kv * hd),
+        "o_proj": (heads * hd, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
     try:
         header = tensors(read_header(st))
     except (OSError, ValueError):
@@ -158,10 +178,14 @@ def _shape_mismatch(st: Path, c: dict) -> str | None:
             continue
         layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
         if layer >= L:
-            return f"has weights for layer {layer} ({key}) but base.model has {L} layers; it was trained on another model"
+            return (
+                f"has weights for layer {layer} ({key}) but base.model has {L} layers; it was trained on another model"
+            )
         fan_in, fan_out = dims[proj]
         got, want = (shape[1], fan_in) if ab == "A" else (shape[0], fan_out)
         if got != want:
-            return (f"does not fit base.model: {key} has shape {shape}, but the base's {proj} has "
-                    f"{'input' if ab == 'A' else 'output'} size {want}; it was trained on another model")
+            return (
+                f"does not fit base.model: {key} has shape {shape}, but the base's {proj} has "
+                f"{'input' if ab == 'A' else 'output'} size {want}; it was trained on another model"
+            )
     return None

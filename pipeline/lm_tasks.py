@@ -52,7 +52,10 @@ def _register(cfg: dict, index: dict) -> None:
 
 
 def _yaml_files(root: Path) -> list[Path]:
-    return sorted((p for p in root.glob("**/*.yaml") if not any(part in IGNORE_DIRS for part in p.parts)), key=lambda p: p.as_posix())
+    return sorted(
+        (p for p in root.glob("**/*.yaml") if not any(part in IGNORE_DIRS for part in p.parts)),
+        key=lambda p: p.as_posix(),
+    )
 
 
 def light_index(files, load_yaml) -> dict[str, Entry]:
@@ -92,7 +95,9 @@ def _task_file_tokens(root: str) -> frozenset[bytes]:
 @functools.lru_cache(maxsize=2)
 def _task_file_names(root: str) -> frozenset[str]:
     """The task, group and tag names written out in lm-eval's built-in task YAMLs (for suggestions)."""
-    return frozenset(n for t in _task_file_texts(root).values() for n in NAME_LINE.findall(t.decode("utf-8", "replace")))
+    return frozenset(
+        n for t in _task_file_texts(root).values() for n in NAME_LINE.findall(t.decode("utf-8", "replace"))
+    )
 
 
 def _lm_eval_yaml_loader():
@@ -166,8 +171,10 @@ class TaskNames:
             children = sorted(e.tags)
         elif e.kind == "GROUP":
             raw = (e.cfg or {}).get("task") or []
-            children = [c if isinstance(c, str) else (c.get("task") or c.get("group")) if isinstance(c, dict) else None
-                        for c in (raw if isinstance(raw, list) else [raw])]
+            children = [
+                c if isinstance(c, str) else (c.get("task") or c.get("group")) if isinstance(c, dict) else None
+                for c in (raw if isinstance(raw, list) else [raw])
+            ]
         else:
             return {name}
         out = {name}
@@ -185,7 +192,7 @@ def _local_data_files(entry: Entry | None) -> list[str]:
     kwargs = cfg.get("dataset_kwargs")
     files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
     found = [cfg.get("dataset_path")]
-    for v in (files.values() if isinstance(files, dict) else [files]):
+    for v in files.values() if isinstance(files, dict) else [files]:
         found.extend(v if isinstance(v, list) else [v])
     return [f for f in found if isinstance(f, str) and f.startswith("/") and not any(c in f for c in "*?[")]
 
@@ -200,7 +207,9 @@ def problems(recipe) -> list[str]:
     except ImportError:  # a CLI installed without lm-eval: the evaluate stage checks the names itself
         return []
     except Exception as e:  # noqa: BLE001 - a task folder lm-eval cannot index at all
-        return [f"evaluation.lm_eval.include_path: lm-eval cannot index {le.include_path} ({type(e).__name__}: {e}); fix the task files"]
+        return [
+            f"evaluation.lm_eval.include_path: lm-eval cannot index {le.include_path} ({type(e).__name__}: {e}); fix the task files"
+        ]
     out = []
     unknown = [t for t in le.tasks if not names.known(t)]
     if unknown:
@@ -208,15 +217,29 @@ def problems(recipe) -> list[str]:
         for t in unknown:
             close = names.suggestions(t)
             hints.append(f"{t!r}" + (f" (did you mean {', '.join(map(repr, close))}?)" if close else ""))
-        where = f"evaluation.lm_eval.include_path ({le.include_path})" if le.include_path else "evaluation.lm_eval.include_path (not set)"
-        out.append(f"evaluation.lm_eval.tasks: unknown task {', '.join(hints)}; lm-eval knows its built-in tasks and the YAML "
-                   f"files in {where}: fix the name or add the task's YAML there")
+        where = (
+            f"evaluation.lm_eval.include_path ({le.include_path})"
+            if le.include_path
+            else "evaluation.lm_eval.include_path (not set)"
+        )
+        out.append(
+            f"evaluation.lm_eval.tasks: unknown task {', '.join(hints)}; lm-eval knows its built-in tasks and the YAML "
+            f"files in {where}: fix the name or add the task's YAML there"
+        )
         return out
-    missing = [(leaf, f) for t in le.tasks for leaf in sorted(names.leaves(t) or {t}) for f in _local_data_files(names.index.get(leaf))
-               if not Path(f).exists()]
+    missing = [
+        (leaf, f)
+        for t in le.tasks
+        for leaf in sorted(names.leaves(t) or {t})
+        for f in _local_data_files(names.index.get(leaf))
+        if not Path(f).exists()
+    ]
     if missing:
-        out.append("evaluation.lm_eval.tasks: " + "; ".join(f"task {leaf!r} reads its data from {f}, which does not exist" for leaf, f in missing)
-                   + ": fix dataset_path / dataset_kwargs.data_files in the task's YAML (a copied task folder keeps the old absolute paths)")
+        out.append(
+            "evaluation.lm_eval.tasks: "
+            + "; ".join(f"task {leaf!r} reads its data from {f}, which does not exist" for leaf, f in missing)
+            + ": fix dataset_path / dataset_kwargs.data_files in the task's YAML (a copied task folder keeps the old absolute paths)"
+        )
         return out
     per_task = recipe.evaluation.gates.min_recovery_per_task
     if per_task:
@@ -227,7 +250,9 @@ def problems(recipe) -> list[str]:
         stray = sorted(set(per_task) - allowed) if allowed is not None else []
         if stray:
             close = {s: difflib.get_close_matches(s, sorted(allowed), 1) for s in stray}
-            out.append("evaluation.gates.min_recovery_per_task: " + ", ".join(
-                f"{s!r}" + (f" (did you mean {close[s][0]!r}?)" if close[s] else "") for s in stray)
-                + f" is not among the evaluated tasks ({', '.join(sorted(allowed))}); the gate would fail every artifact: fix the name")
+            out.append(
+                "evaluation.gates.min_recovery_per_task: "
+                + ", ".join(f"{s!r}" + (f" (did you mean {close[s][0]!r}?)" if close[s] else "") for s in stray)
+                + f" is not among the evaluated tasks ({', '.join(sorted(allowed))}); the gate would fail every artifact: fix the name"
+            )
     return out

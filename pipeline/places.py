@@ -13,7 +13,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CACHE_WRITES = ("stages", "tmp", "hashes.json")  # what the runner writes under the cache root; the rest of it is not ours
+CACHE_WRITES = (
+    "stages",
+    "tmp",
+    "hashes.json",
+)  # what the runner writes under the cache root; the rest of it is not ours
 
 
 def inputs(recipe) -> list[tuple[str, Path]]:
@@ -23,7 +27,9 @@ def inputs(recipe) -> list[tuple[str, Path]]:
         out.append(("base.model", Path(recipe.base.model)))
     out += [(f"adapters.{i}.path", Path(a.path)) for i, a in enumerate(recipe.adapters)]
     if recipe.calibration:
-        out += [(f"calibration.sources.{i}.path", Path(s.path)) for i, s in enumerate(recipe.calibration.sources) if s.path]
+        out += [
+            (f"calibration.sources.{i}.path", Path(s.path)) for i, s in enumerate(recipe.calibration.sources) if s.path
+        ]
     ev = recipe.evaluation
     if ev.lm_eval and ev.lm_eval.include_path:
         out.append(("evaluation.lm_eval.include_path", Path(ev.lm_eval.include_path)))
@@ -60,7 +66,11 @@ def _creatable(field: str, d: Path) -> str | None:
     if not p.is_dir():
         return f"{field}: {p} is a file, so {d} cannot be created there; give a directory path"
     if not os.access(p, os.W_OK | os.X_OK):
-        return f"{field}: no permission to write in {p}" + ("" if p == d else f", where {d} would be created") + "; give a directory you can write to"
+        return (
+            f"{field}: no permission to write in {p}"
+            + ("" if p == d else f", where {d} would be created")
+            + "; give a directory you can write to"
+        )
     return None
 
 
@@ -69,22 +79,34 @@ def problems(recipe) -> list[str]:
     from .run.hub import cache_root  # $QUANTPIPE_CACHE or ~/.cache/quantpipe when the recipe sets no cache_dir
 
     out_dir, cache = Path(recipe.output_dir), cache_root(recipe)
-    cache_field = "cache_dir" if recipe.cache_dir else f"the stage cache ({'$QUANTPIPE_CACHE' if os.environ.get('QUANTPIPE_CACHE') else 'default'})"
+    cache_field = (
+        "cache_dir"
+        if recipe.cache_dir
+        else f"the stage cache ({'$QUANTPIPE_CACHE' if os.environ.get('QUANTPIPE_CACHE') else 'default'})"
+    )
     out = [p for p in (_creatable("output_dir", out_dir), _creatable(cache_field, cache)) if p]
     real_out, real_cache = _real(out_dir), _real(cache)
     for field, path in inputs(recipe):
         real = _real(path)
         if _within(real_out, real):
-            out.append(f"output_dir: {out_dir} is {_same(path) if real_out == real else 'inside'} {field} ({path}); a run would "
-                       "write runs/ and packages/ into your input (changing its content hash, so later runs miss the cache): "
-                       "put output_dir outside it")
+            out.append(
+                f"output_dir: {out_dir} is {_same(path) if real_out == real else 'inside'} {field} ({path}); a run would "
+                "write runs/ and packages/ into your input (changing its content hash, so later runs miss the cache): "
+                "put output_dir outside it"
+            )
         elif _within(real, real_out):
-            out.append(f"output_dir: {out_dir} contains {field} ({path}); a run writes runs/ and packages/ there, beside your input: "
-                       "put output_dir in a folder of its own, or move the input out")
+            out.append(
+                f"output_dir: {out_dir} contains {field} ({path}); a run writes runs/ and packages/ there, beside your input: "
+                "put output_dir in a folder of its own, or move the input out"
+            )
         if _within(real_cache, real):
-            out.append(f"{cache_field}: {cache} is {_same(path) if real_cache == real else 'inside'} {field} ({path}); the stage "
-                       "cache would write into your input: set cache_dir (or $QUANTPIPE_CACHE) to a folder outside it")
+            out.append(
+                f"{cache_field}: {cache} is {_same(path) if real_cache == real else 'inside'} {field} ({path}); the stage "
+                "cache would write into your input: set cache_dir (or $QUANTPIPE_CACHE) to a folder outside it"
+            )
         elif any(_within(real, real_cache / w) for w in CACHE_WRITES):
-            out.append(f"{field}: {path} is inside the stage cache's own entries ({cache}), which are replaced and swept as runs "
-                       "go; copy it out of the cache and point the recipe at the copy")
+            out.append(
+                f"{field}: {path} is inside the stage cache's own entries ({cache}), which are replaced and swept as runs "
+                "go; copy it out of the cache and point the recipe at the copy"
+            )
     return out

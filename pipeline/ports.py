@@ -1,7 +1,7 @@
 """Ports on 127.0.0.1 for the servers quantpipe starts.
 
-    port = free_port()            # the kernel's choice; vLLM binds it a moment later
-    assert port_freed(port, 30)   # after the server stopped
+port = free_port()            # the kernel's choice; vLLM binds it a moment later
+assert port_freed(port, 30)   # after the server stopped
 """
 
 from __future__ import annotations

@@ -52,10 +52,23 @@ def model_shape(model_dir: str | Path) -> dict | None:
     layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h
     from_config = V * h * (1 if tied else 2) + L * layer + h
     counted = param_count(sorted(d.glob("*.safetensors")))
-    return {"hidden": h, "layers": L, "heads": heads, "kv_heads": kv, "head_dim": hd, "intermediate": inter, "vocab": V,
-            "tied": tied, "params": counted or from_config, "params_from": "safetensors" if counted else "config",
-            "layer_params": layer, "max_len": int(c.get("max_position_embeddings") or 0) or None,
-            "logits_rescaled": any(c.get(k) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))}
+    return {
+        "hidden": h,
+        "layers": L,
+        "heads": heads,
+        "kv_heads": kv,
+        "head_dim": hd,
+        "intermediate": inter,
+        "vocab": V,
+        "tied": tied,
+        "params": counted or from_config,
+        "params_from": "safetensors" if counted else "config",
+        "layer_params": layer,
+        "max_len": int(c.get("max_position_embeddings") or 0) or None,
+        "logits_rescaled": any(
+            c.get(k) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        ),
+    }
 
 
 def artifact_bytes(a, m: dict, b: int) -> int:
@@ -87,7 +100,10 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
     wb = DTYPE_BYTES[work]
     P, h, L = m["params"], m["hidden"], m["layers"]
     arts = {a.name: a for a in recipe.artifacts}
-    adapters = sum(_size(Path(a.path) / "adapter_model.safetensors") or _size(Path(a.path) / "adapter_model.bin") for a in recipe.adapters)
+    adapters = sum(
+        _size(Path(a.path) / "adapter_model.safetensors") or _size(Path(a.path) / "adapter_model.bin")
+        for a in recipe.adapters
+    )
     c = recipe.calibration
     N, S = (c.num_samples, c.max_seq_len) if c else (0, 0)
     out = {}
@@ -112,7 +128,10 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
                 if a.method == "awq":
                     terms["AWQ activation cache"] = N * S * (2 * h + m["heads"] * m["head_dim"] + m["intermediate"]) * 4
             if gpu:
-                gpu_terms = {"one decoder layer (x2)": 2 * m["layer_params"] * b, "embeddings and lm_head": m["vocab"] * h * b * (1 if m["tied"] else 2)}
+                gpu_terms = {
+                    "one decoder layer (x2)": 2 * m["layer_params"] * b,
+                    "embeddings and lm_head": m["vocab"] * h * b * (1 if m["tied"] else 2),
+                }
                 gpu_terms |= {k: v for k, v in terms.items() if k.startswith(("GPTQ", "AWQ", "layer activations"))}
             disk_cache = size
         elif s.kind == "evaluate":
@@ -127,15 +146,23 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
                 le = recipe.evaluation.lm_eval
                 if s.inp.backend == "vllm":  # vLLM reserves its share of the GPU up front, whatever the model needs
                     util = (le.gpu_memory_utilization if le else None) or 0.9
-                    gpu_terms = {f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(util * gpu["total_bytes"]),
-                                 "_needs": P * b}
+                    gpu_terms = {
+                        f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(
+                            util * gpu["total_bytes"]
+                        ),
+                        "_needs": P * b,
+                    }
         elif s.kind == "benchmark":
             weights = artifact_bytes(a, m, b)
             engines = [recipe.benchmark.engine] + [v.engine for v in recipe.benchmark.variants]
             if gpu:
                 util = max(e.gpu_memory_utilization or 0.9 for e in engines)
                 max_len = max(e.max_model_len or m["max_len"] or 2048 for e in engines)
-                gpu_terms = {f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(util * gpu["total_bytes"])}
+                gpu_terms = {
+                    f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(
+                        util * gpu["total_bytes"]
+                    )
+                }
                 gpu_terms["_needs"] = weights + _kv_per_token(m, engines) * max_len  # must fit inside the reservation
             else:
                 kv = max(_cpu_kv(e, m, ram_available) for e in engines)
@@ -148,8 +175,12 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
             disk_cache = size if parse_size(recipe.package.max_shard_size) < parse_size(SHARD_SIZE) else 0
         terms["runtime"] = RUNTIME_BYTES.get(s.env, RUNTIME_BYTES["quantize"])
         out[s.id] = {
-            "ram_bytes": sum(terms.values()), "gpu_bytes": sum(v for k, v in gpu_terms.items() if not k.startswith("_")) if gpu_terms else None,
-            "disk_cache_bytes": disk_cache, "disk_output_bytes": disk_out, "terms": terms, "gpu_terms": gpu_terms,
+            "ram_bytes": sum(terms.values()),
+            "gpu_bytes": sum(v for k, v in gpu_terms.items() if not k.startswith("_")) if gpu_terms else None,
+            "disk_cache_bytes": disk_cache,
+            "disk_output_bytes": disk_out,
+            "terms": terms,
+            "gpu_terms": gpu_terms,
         }
     return out
 
@@ -202,8 +233,17 @@ def gpu_memory() -> dict | None:
     try:
         # nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says: ask for the first one the stages will use
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,memory.free", "--format=csv,noheader,nounits", *(["-i", visible] if visible else [])],
-                           capture_output=True, text=True, timeout=20)
+        r = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.total,memory.free",
+                "--format=csv,noheader,nounits",
+                *(["-i", visible] if visible else []),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         total, free = (int(float(x)) * 2**20 for x in r.stdout.strip().splitlines()[0].split(","))
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
@@ -231,20 +271,32 @@ def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[st
             continue
         ram = have.get("ram_bytes")
         if ram is not None and e["ram_bytes"] > ram:
-            out.append(f"{sid} needs about {_gib(e['ram_bytes'])} of memory ({_terms(e['terms'])}) but {_gib(ram)} is available; "
-                       + _advice(recipe, sid, e["terms"]))
+            out.append(
+                f"{sid} needs about {_gib(e['ram_bytes'])} of memory ({_terms(e['terms'])}) but {_gib(ram)} is available; "
+                + _advice(recipe, sid, e["terms"])
+            )
         g = have.get("gpu")
         if g and e["gpu_bytes"] is not None:
             needs = e["gpu_terms"].get("_needs")
             if e["gpu_bytes"] > g["free_bytes"]:
-                out.append(f"{sid} needs about {_gib(e['gpu_bytes'])} of GPU memory ({_terms(e['gpu_terms'])}) but {_gib(g['free_bytes'])} "
-                           f"is free; " + _advice(recipe, sid, e["gpu_terms"]))
+                out.append(
+                    f"{sid} needs about {_gib(e['gpu_bytes'])} of GPU memory ({_terms(e['gpu_terms'])}) but {_gib(g['free_bytes'])} "
+                    f"is free; " + _advice(recipe, sid, e["gpu_terms"])
+                )
             elif needs and needs > e["gpu_bytes"]:
-                knob = "evaluation.lm_eval.gpu_memory_utilization" if sid.startswith("evaluate") else "benchmark.engine.gpu_memory_utilization (or a smaller max_model_len)"
-                out.append(f"{sid}: the weights and one max_model_len sequence of KV cache need about {_gib(needs)}, more than the "
-                           f"{_gib(e['gpu_bytes'])} vLLM reserves; set a higher {knob}")
-    need = {"cache": sum(e["disk_cache_bytes"] for s, e in estimates.items() if s in to_build),
-            "output": sum(e["disk_output_bytes"] for s, e in estimates.items() if s in to_build)}
+                knob = (
+                    "evaluation.lm_eval.gpu_memory_utilization"
+                    if sid.startswith("evaluate")
+                    else "benchmark.engine.gpu_memory_utilization (or a smaller max_model_len)"
+                )
+                out.append(
+                    f"{sid}: the weights and one max_model_len sequence of KV cache need about {_gib(needs)}, more than the "
+                    f"{_gib(e['gpu_bytes'])} vLLM reserves; set a higher {knob}"
+                )
+    need = {
+        "cache": sum(e["disk_cache_bytes"] for s, e in estimates.items() if s in to_build),
+        "output": sum(e["disk_output_bytes"] for s, e in estimates.items() if s in to_build),
+    }
     disks = have.get("disk") or {}
     if disks.get("cache") and disks.get("output") and disks["cache"]["dev"] == disks["output"]["dev"]:
         need = {"cache": need["cache"] + need["output"], "output": 0}
@@ -252,8 +304,10 @@ def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[st
         d = disks.get(where)
         if d and n > d["free_bytes"]:
             knob = "cache_dir (or $QUANTPIPE_CACHE)" if where == "cache" else "output_dir"
-            out.append(f"the stages to run write about {_gib(n)} to {d['path']} but {_gib(d['free_bytes'])} is free there; "
-                       f"free some space or point {knob} at a larger disk")
+            out.append(
+                f"the stages to run write about {_gib(n)} to {d['path']} but {_gib(d['free_bytes'])} is free there; "
+                f"free some space or point {knob} at a larger disk"
+            )
     return out
 
 
@@ -262,10 +316,14 @@ def _advice(recipe, sid: str, terms: dict) -> str:
     if kind == "quantize":
         tips = []
         if any(k.startswith(("layer activations", "AWQ")) for k in terms):
-            tips.append(f"fewer calibration samples (calibration.num_samples, now {recipe.calibration.num_samples}) or shorter "
-                        f"sequences (calibration.max_seq_len, now {recipe.calibration.max_seq_len})")
+            tips.append(
+                f"fewer calibration samples (calibration.num_samples, now {recipe.calibration.num_samples}) or shorter "
+                f"sequences (calibration.max_seq_len, now {recipe.calibration.max_seq_len})"
+            )
         if any(k.startswith("GPTQ") for k in terms):
-            tips.append("sequential onloading (pipeline: sequential, sequential_targets: [<DecoderLayer class>]) so one layer's Hessians exist at a time")
+            tips.append(
+                "sequential onloading (pipeline: sequential, sequential_targets: [<DecoderLayer class>]) so one layer's Hessians exist at a time"
+            )
         tips.append("a machine with more memory for the model itself")
         return "to fit: " + "; or ".join(tips)
     if kind == "benchmark" and "KV cache" in terms:
@@ -325,7 +383,8 @@ def check(recipe, steps, base_dir: str, cache_dir: Path, out_dir: Path, to_build
     bad = problems(recipe, est, have, to_build)
     if bad and os.environ.get("QUANTPIPE_PREFLIGHT", "").lower() not in ("off", "0", "false", "no"):
         raise PreflightError(
-            "pre-flight: this run would not fit the machine:\n" + "\n".join(f"  - {p}" for p in bad)
+            "pre-flight: this run would not fit the machine:\n"
+            + "\n".join(f"  - {p}" for p in bad)
             + "\n(estimates are upper bounds: `quantpipe run --dry-run` shows them; QUANTPIPE_PREFLIGHT=off runs anyway)"
         )
     return est, have

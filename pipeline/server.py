@@ -34,11 +34,20 @@ from .ports import HOST, free_port, port_freed, port_in_use  # noqa: F401  (also
 from .serving_links import stable_path  # noqa: F401  (quantpipe.server.stable_path, as scripts import it)
 
 MARKER_ENV = "QUANTPIPE_SERVER_ID"
-IPC_TMPDIR_MAX = 60  # longer TMPDIRs: the server gets a short one under /tmp (ipc://<TMPDIR>/<uuid4> must fit in 107 bytes)
-_LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\)\s+)?((INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s?)?")
+IPC_TMPDIR_MAX = (
+    60  # longer TMPDIRs: the server gets a short one under /tmp (ipc://<TMPDIR>/<uuid4> must fit in 107 bytes)
+)
+_LOG_PREFIX = re.compile(
+    r"^(\(\w+ pid=\d+\)\s+)?((INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s?)?"
+)
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.+)$")
 # Exceptions that only wrap the real cause reported earlier in the log.
-_WRAPPERS = ("initialization failed", "See root cause above", "See stack trace for root cause", "Engine core initialization failed")
+_WRAPPERS = (
+    "initialization failed",
+    "See root cause above",
+    "See stack trace for root cause",
+    "Engine core initialization failed",
+)
 
 
 class ServerDied(RuntimeError):
@@ -137,8 +146,18 @@ class Server:
         # --host and --port last: argparse keeps the last value, so no engine argument (an abbreviation like
         # `--hos 0.0.0.0`, a --config file holding `host:`) can make the server listen beyond this machine.
         return [
-            self.python, "-m", "vllm.entrypoints.cli.main", "serve", self.model,
-            "--served-model-name", self.served_model_name, *self.args, "--host", HOST, "--port", str(self.port),
+            self.python,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            *self.args,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
         ]
 
     def start(self) -> "Server":
@@ -172,8 +191,12 @@ class Server:
         self._t0 = time.perf_counter()
         # No new session: the server stays in our process group, which quantpipe's worker kills on SIGTERM.
         self.proc = subprocess.Popen(
-            self.command(), stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, preexec_fn=_set_pdeathsig,
+            self.command(),
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            preexec_fn=_set_pdeathsig,
         )
         self._stop_sampling.clear()
         self._sampler = threading.Thread(target=self._sample_loop, name="server-sampler", daemon=True)
@@ -320,16 +343,27 @@ class Server:
         except OSError:
             return ""
 
-    def completion(self, prompt: str | list[int], max_tokens: int = 8, model: str | None = None, timeout_s: float = 300) -> dict:
-        body = {"model": model or self.served_model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    def completion(
+        self, prompt: str | list[int], max_tokens: int = 8, model: str | None = None, timeout_s: float = 300
+    ) -> dict:
+        body = {
+            "model": model or self.served_model_name,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        req = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return json.loads(r.read())
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             self.check_alive()
             detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else str(e)
-            raise ServerDied(f"a completion request failed: {detail}", "\n".join(self.log_text().splitlines()[-40:])) from None
+            raise ServerDied(
+                f"a completion request failed: {detail}", "\n".join(self.log_text().splitlines()[-40:])
+            ) from None
 
     def metrics_text(self, timeout_s: float = 10) -> str:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout_s) as r:
@@ -364,7 +398,9 @@ def _gpu_bytes(pids: set[int]) -> int:
     try:
         r = subprocess.run(
             ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=10,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError):
         return 0

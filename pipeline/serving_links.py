@@ -23,7 +23,9 @@ from pathlib import Path
 
 def serving_links_dir() -> Path:
     """Where `stable_path` keeps its links: next to vLLM's compile cache, which they serve."""
-    root = os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    root = (
+        os.environ.get("VLLM_CACHE_ROOT") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    )
     return Path(os.environ.get("QUANTPIPE_SERVING_LINKS") or Path(root) / "quantpipe-paths")
 
 

@@ -23,7 +23,16 @@ from pathlib import Path
 
 MARKER = "mlflow.json"
 PACKAGE_FILES = ("manifest.json", "README.md", "config.json", "generation_config.json", "recipe.yaml")
-FIGURES = ("recovery", "kl_mean", "top1_agreement", "goodput", "throughput_tok_s", "latency_s_batch1", "size_bytes", "compression")
+FIGURES = (
+    "recovery",
+    "kl_mean",
+    "top1_agreement",
+    "goodput",
+    "throughput_tok_s",
+    "latency_s_batch1",
+    "size_bytes",
+    "compression",
+)
 
 
 class MlflowUnavailable(Exception):
@@ -44,7 +53,9 @@ def reachable(uri: str, timeout_s: float = 5.0) -> None:
 
 
 def _client(uri: str):
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that is down should not hold the run for minutes
+    os.environ.setdefault(
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"
+    )  # a server that is down should not hold the run for minutes
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
     from mlflow import MlflowClient
 
@@ -73,7 +84,9 @@ def log_run(run_dir: Path, uri: str, experiment: str | None = None) -> dict:
     except MlflowUnavailable:
         raise
     except Exception as e:  # the server went away mid-way, or refused a call: the next push logs the run again
-        raise MlflowUnavailable(f"MLflow at {uri} did not take run {record.get('run_id')} ({type(e).__name__}: {str(e)[:300]})") from None
+        raise MlflowUnavailable(
+            f"MLflow at {uri} did not take run {record.get('run_id')} ({type(e).__name__}: {str(e)[:300]})"
+        ) from None
 
 
 def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dict:
@@ -85,22 +98,36 @@ def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dic
     qp_run = str(record.get("run_id"))
     for old in client.search_runs([exp_id], f"tags.`quantpipe.run_id` = '{qp_run}'"):
         if old.info.status == "FINISHED":  # logged before, its marker lost: reuse it, log nothing twice
-            done = {"uri": uri, "experiment": experiment, "experiment_id": exp_id, "mlflow_run_id": old.info.run_id,
-                    "models": json.loads(old.data.tags.get("quantpipe.models", "[]")), "logged_at": old.data.tags.get("quantpipe.logged_at")}
+            done = {
+                "uri": uri,
+                "experiment": experiment,
+                "experiment_id": exp_id,
+                "mlflow_run_id": old.info.run_id,
+                "models": json.loads(old.data.tags.get("quantpipe.models", "[]")),
+                "logged_at": old.data.tags.get("quantpipe.logged_at"),
+            }
             _mark(run_dir, done)
             return done
         client.delete_run(old.info.run_id)  # a push cut short: start it again
     rec = s["recommendation"]
-    tags = {"mlflow.runName": qp_run, "quantpipe.run_id": qp_run, "quantpipe.status": str(record.get("status")),
-            "quantpipe.recipe_name": str(record.get("recipe_name")), "quantpipe.recommended": str(rec.get("choice") or ""),
-            "quantpipe.run_dir": str(run_dir.resolve()), "mlflow.note.content": rec.get("sentence") or ""}
+    tags = {
+        "mlflow.runName": qp_run,
+        "quantpipe.run_id": qp_run,
+        "quantpipe.status": str(record.get("status")),
+        "quantpipe.recipe_name": str(record.get("recipe_name")),
+        "quantpipe.recommended": str(rec.get("choice") or ""),
+        "quantpipe.run_dir": str(run_dir.resolve()),
+        "mlflow.note.content": rec.get("sentence") or "",
+    }
     run = client.create_run(exp_id, start_time=_ms(record.get("started_at")), tags=tags)
     rid = run.info.run_id
     ts = _ms(record.get("finished_at")) or int(time.time() * 1000)
     params = _params(record, s)
     metrics = [Metric(k, float(v), ts, 0) for k, v in _metrics(record, s).items()]
-    for i in range(0, max(len(metrics), len(params)), 100):  # log_batch takes at most 1000 metrics and 100 params a call
-        client.log_batch(rid, metrics=metrics[i:i + 100], params=[Param(k, v) for k, v in params[i:i + 100]])
+    for i in range(
+        0, max(len(metrics), len(params)), 100
+    ):  # log_batch takes at most 1000 metrics and 100 params a call
+        client.log_batch(rid, metrics=metrics[i : i + 100], params=[Param(k, v) for k, v in params[i : i + 100]])
     for name in ("report.html", "report.md", "report.json", "run.json"):
         if (run_dir / name).is_file():
             client.log_artifact(rid, str(run_dir / name))
@@ -112,7 +139,9 @@ def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dic
                 continue
             stage = Path(tmp) / r["artifact"]
             stage.mkdir()
-            for f in PACKAGE_FILES:  # the card and manifest, not the weights: the package directory stays where it was published
+            for f in (
+                PACKAGE_FILES
+            ):  # the card and manifest, not the weights: the package directory stays where it was published
                 if (Path(pkg) / f).is_file():
                     shutil.copy2(Path(pkg) / f, stage / f)
             client.log_artifacts(rid, str(stage), f"packages/{r['artifact']}")
@@ -120,9 +149,21 @@ def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dic
     client.set_tag(rid, "quantpipe.models", json.dumps(models))
     logged_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     client.set_tag(rid, "quantpipe.logged_at", logged_at)
-    client.log_batch(rid, tags=[RunTag("quantpipe.gates", json.dumps({r["artifact"]: r["gate"] for r in s["rows"] if not r["baseline"]}))])
+    client.log_batch(
+        rid,
+        tags=[
+            RunTag("quantpipe.gates", json.dumps({r["artifact"]: r["gate"] for r in s["rows"] if not r["baseline"]}))
+        ],
+    )
     client.set_terminated(rid, "FINISHED" if record.get("status") in ("ok", "gate_failed") else "FAILED", end_time=ts)
-    done = {"uri": uri, "experiment": experiment, "experiment_id": exp_id, "mlflow_run_id": rid, "models": models, "logged_at": logged_at}
+    done = {
+        "uri": uri,
+        "experiment": experiment,
+        "experiment_id": exp_id,
+        "mlflow_run_id": rid,
+        "models": models,
+        "logged_at": logged_at,
+    }
     _mark(run_dir, done)
     return done
 
@@ -135,25 +176,52 @@ def _register(client, record: dict, r: dict, rid: str, recommended: bool) -> dic
     try:
         client.get_registered_model(name)
     except MlflowException:
-        client.create_registered_model(name, description=f"quantpipe packages of recipe {name}: one version per artifact per run")
+        client.create_registered_model(
+            name, description=f"quantpipe packages of recipe {name}: one version per artifact per run"
+        )
     manifest = Path(r["package"]) / "manifest.json"
-    tags = {"artifact": r["artifact"], "method": str(r.get("method")), "scheme": str(r.get("scheme") or ""), "gate": str(r["gate"]),
-            "gate_failures": "; ".join(r["gate_failures"])[:5000], "recommended": str(recommended).lower(),
-            "quantpipe.run_id": str(record.get("run_id")), "package_path": str(r["package"]),
-            "manifest_sha256": _sha256(manifest) if manifest.is_file() else ""}
-    mv = client.create_model_version(name, f"runs:/{rid}/packages/{r['artifact']}", run_id=rid, tags=tags,
-                                     description=f"{r['artifact']} ({r.get('method')}) from quantpipe run {record.get('run_id')}")
+    tags = {
+        "artifact": r["artifact"],
+        "method": str(r.get("method")),
+        "scheme": str(r.get("scheme") or ""),
+        "gate": str(r["gate"]),
+        "gate_failures": "; ".join(r["gate_failures"])[:5000],
+        "recommended": str(recommended).lower(),
+        "quantpipe.run_id": str(record.get("run_id")),
+        "package_path": str(r["package"]),
+        "manifest_sha256": _sha256(manifest) if manifest.is_file() else "",
+    }
+    mv = client.create_model_version(
+        name,
+        f"runs:/{rid}/packages/{r['artifact']}",
+        run_id=rid,
+        tags=tags,
+        description=f"{r['artifact']} ({r.get('method')}) from quantpipe run {record.get('run_id')}",
+    )
     if recommended:
         client.set_registered_model_alias(name, "recommended", mv.version)
-    return {"name": name, "version": str(mv.version), "artifact": r["artifact"], "gate": r["gate"], "recommended": recommended}
+    return {
+        "name": name,
+        "version": str(mv.version),
+        "artifact": r["artifact"],
+        "gate": r["gate"],
+        "recommended": recommended,
+    }
 
 
 def _params(record: dict, s: dict) -> list[tuple[str, str]]:
     hw = record.get("hardware") or {}
-    out = {"recipe_name": record.get("recipe_name"), "recipe_hash": record.get("recipe_hash"), "quantpipe_run_id": record.get("run_id"),
-           "quantpipe_version": (record.get("quantpipe") or {}).get("version"), "git_commit": (record.get("quantpipe") or {}).get("git_commit"),
-           "hardware": s["provenance"]["hardware_text"], "hardware.cpus": hw.get("cpus"), "hardware.gpus": "; ".join(hw.get("gpus") or []) or "none",
-           "artifacts": ", ".join(r["artifact"] for r in s["rows"] if not r["baseline"])}
+    out = {
+        "recipe_name": record.get("recipe_name"),
+        "recipe_hash": record.get("recipe_hash"),
+        "quantpipe_run_id": record.get("run_id"),
+        "quantpipe_version": (record.get("quantpipe") or {}).get("version"),
+        "git_commit": (record.get("quantpipe") or {}).get("git_commit"),
+        "hardware": s["provenance"]["hardware_text"],
+        "hardware.cpus": hw.get("cpus"),
+        "hardware.gpus": "; ".join(hw.get("gpus") or []) or "none",
+        "artifacts": ", ".join(r["artifact"] for r in s["rows"] if not r["baseline"]),
+    }
     for env, libs in (record.get("versions") or {}).items():
         for lib, v in (libs or {}).items() if isinstance(libs, dict) else ():
             out[f"versions.{env}.{lib}"] = v

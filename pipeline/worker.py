@@ -31,7 +31,9 @@ def _bootstrap() -> None:
     pkg = Path(__file__).resolve().parent
     if "quantpipe" in sys.modules and Path(sys.modules["quantpipe"].__file__).resolve().parent == pkg:
         return
-    spec = importlib.util.spec_from_file_location("quantpipe", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    spec = importlib.util.spec_from_file_location(
+        "quantpipe", pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules["quantpipe"] = mod
     spec.loader.exec_module(mod)
@@ -73,11 +75,20 @@ def resource_error(e: BaseException, out: Path) -> str | None:
                 free = f"{shutil.disk_usage(out if out.exists() else out.parent).free / 2**20:.1f} MiB free there now"
             except OSError:
                 free = "free space unknown"
-            return (f"no space left on the device while writing {where} ({free}); free some space, or set cache_dir "
-                    "(or $QUANTPIPE_CACHE) to a larger disk, and run again")
-        if isinstance(e, MemoryError) or code == errno.ENOMEM or "can't allocate memory" in text or "Cannot allocate memory" in text:
-            return (f"out of memory ({type(e).__name__}: {text[:200] or 'no message'}; peak RSS {peak_rss_gib()} GiB); "
-                    "give the stage more memory, or reduce what it holds (fewer calibration samples, shorter sequences)")
+            return (
+                f"no space left on the device while writing {where} ({free}); free some space, or set cache_dir "
+                "(or $QUANTPIPE_CACHE) to a larger disk, and run again"
+            )
+        if (
+            isinstance(e, MemoryError)
+            or code == errno.ENOMEM
+            or "can't allocate memory" in text
+            or "Cannot allocate memory" in text
+        ):
+            return (
+                f"out of memory ({type(e).__name__}: {text[:200] or 'no message'}; peak RSS {peak_rss_gib()} GiB); "
+                "give the stage more memory, or reduce what it holds (fewer calibration samples, shorter sequences)"
+            )
         e = e.__cause__ or e.__context__
     return None
 
@@ -122,7 +133,9 @@ def run_stage(spec: dict, **shared) -> int:
     failed = Path(spec["metrics"]).with_name("failed.json")
     t0 = time.perf_counter()
     cwd = os.getcwd()
-    os.chdir(Path(spec["out"]).parent)  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
+    os.chdir(
+        Path(spec["out"]).parent
+    )  # files a library drops in its working directory (GPTQModel's logs) stay in the stage's folder
     try:
         metrics = fn(inp, src, Path(spec["out"]), upstream, **shared) or {}
     except StageError as e:
@@ -138,7 +151,9 @@ def run_stage(spec: dict, **shared) -> int:
         failed.write_text(json.dumps({"rc": 1, "error": why or f"{type(e).__name__}: {e}"}))
         return 1
     finally:
-        os.chdir(cwd)  # a joint job's evaluation ends inside its benchmark: the benchmark's files stay out of its folder
+        os.chdir(
+            cwd
+        )  # a joint job's evaluation ends inside its benchmark: the benchmark's files stay out of its folder
     metrics = {**metrics, "wall_s": round(time.perf_counter() - t0, 3), "peak_rss_gib": peak_rss_gib()}
     try:
         import torch
@@ -149,7 +164,9 @@ def run_stage(spec: dict, **shared) -> int:
         pass
     tmp = Path(spec["metrics"]).with_suffix(".tmp")
     tmp.write_text(json.dumps(metrics, indent=2, default=str))
-    os.replace(tmp, spec["metrics"])  # whole or absent: in a joint job the runner commits the evaluation as soon as it appears
+    os.replace(
+        tmp, spec["metrics"]
+    )  # whole or absent: in a joint job the runner commits the evaluation as soon as it appears
     return 0
 
 

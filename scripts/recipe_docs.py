@@ -37,7 +37,9 @@ def _import_quantpipe():
         except ImportError:
             mod = None
     if mod is None or Path(mod.__file__).resolve().parent != pkg:  # as pipeline/worker.py bootstraps it
-        spec = importlib.util.spec_from_file_location("quantpipe", pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+        spec = importlib.util.spec_from_file_location(
+            "quantpipe", pkg / "__init__.py", submodule_search_locations=[str(pkg)]
+        )
         mod = importlib.util.module_from_spec(spec)
         sys.modules["quantpipe"] = mod
         spec.loader.exec_module(mod)
@@ -170,7 +172,9 @@ class Reference:
             return v
 
         text = json.dumps(plain(value), ensure_ascii=False)
-        return f"`{text}`" + (" (every field at its default)" if isinstance(value, self.BaseModel) and text == "{}" else "")
+        return f"`{text}`" + (
+            " (every field at its default)" if isinstance(value, self.BaseModel) and text == "{}" else ""
+        )
 
     def render(self) -> str:
         lines = [
@@ -217,7 +221,9 @@ def render() -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help=f"exit 1 if {DOC.relative_to(REPO)} differs from what the schema gives")
+    ap.add_argument(
+        "--check", action="store_true", help=f"exit 1 if {DOC.relative_to(REPO)} differs from what the schema gives"
+    )
     a = ap.parse_args()
     text = render()
     if not a.check:
@@ -225,7 +231,10 @@ def main() -> int:
         return 0
     current = DOC.read_text(encoding="utf-8") if DOC.is_file() else ""
     if current != text:
-        print(f"{DOC.relative_to(REPO)} is out of date with the recipe schema; regenerate it with `{COMMAND}`", file=sys.stderr)
+        print(
+            f"{DOC.relative_to(REPO)} is out of date with the recipe schema; regenerate it with `{COMMAND}`",
+            file=sys.stderr,
+        )
         return 1
     print(f"{DOC.relative_to(REPO)} is current")
     return 0

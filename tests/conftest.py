@@ -122,7 +122,10 @@ def _build(script: Path) -> Path:
             pytrace=False,
         )
     proc = subprocess.run(
-        [str(QUANTIZE_PY), str(script)], capture_output=True, text=True, timeout=3600,
+        [str(QUANTIZE_PY), str(script)],
+        capture_output=True,
+        text=True,
+        timeout=3600,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     if proc.returncode != 0:

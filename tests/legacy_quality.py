@@ -39,7 +39,7 @@ def main(baseline: str, heldout: str, dirs: dict) -> dict:
         nll = torch.cat([-lp.gather(1, t[:, None])[:, 0] for lp, t in zip(q, targets)]).mean().item()
         prompt = AutoTokenizer.from_pretrained(d)("The", return_tensors="pt")
         gen = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-        text = tok.decode(gen[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+        text = tok.decode(gen[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
         layer = type(model.model.layers[0].mlp.down_proj).__name__
         out[name] = {"kl": kl, "ppl": math.exp(nll), "top1": top1, "generated": text, "layer0_down_proj": layer}
     return out

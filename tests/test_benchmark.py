@@ -39,11 +39,18 @@ CPU_AVX512 = {"platform": "cpu", "kernels": {"cpu_gemm_wna16": True}, "isa": "AV
 CUDA = {"platform": "cuda", "kernels": {}}
 
 
-def _recipe(tmp: Path, model: str = "/m", validation: str | None = None, adapters=(), artifact=("fp8", "fp8"), **bench) -> Recipe:
+def _recipe(
+    tmp: Path, model: str = "/m", validation: str | None = None, adapters=(), artifact=("fp8", "fp8"), **bench
+) -> Recipe:
     """A recipe with `bench` as its benchmark section and one artifact, (name, method)."""
-    d = {"name": "bench-test", "output_dir": str(tmp / "o"), "base": {"model": model},
-         "adapters": [{"path": str(a)} for a in adapters], "artifacts": [{"name": artifact[0], "method": artifact[1]}],
-         "benchmark": bench}
+    d = {
+        "name": "bench-test",
+        "output_dir": str(tmp / "o"),
+        "base": {"model": model},
+        "adapters": [{"path": str(a)} for a in adapters],
+        "artifacts": [{"name": artifact[0], "method": artifact[1]}],
+        "benchmark": bench,
+    }
     if validation:
         d["evaluation"] = {"validation": {"path": str(validation)}}
     return Recipe.model_validate(d)
@@ -53,16 +60,34 @@ def _recipe(tmp: Path, model: str = "/m", validation: str | None = None, adapter
 
 
 def test_engine_flags_spell_booleans_as_flag_or_no_flag_and_end_with_extra_args():
-    flags = engine_flags({"max_model_len": 512, "enable_prefix_caching": False, "enforce_eager": True,
-                          "kv_cache_memory_bytes": 1 << 28, "extra_args": ["--block-size", "16"]})
-    assert flags == ["--max-model-len", "512", "--no-enable-prefix-caching", "--enforce-eager",
-                     "--kv-cache-memory-bytes", str(1 << 28), "--block-size", "16"]
+    flags = engine_flags(
+        {
+            "max_model_len": 512,
+            "enable_prefix_caching": False,
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 1 << 28,
+            "extra_args": ["--block-size", "16"],
+        }
+    )
+    assert flags == [
+        "--max-model-len",
+        "512",
+        "--no-enable-prefix-caching",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        str(1 << 28),
+        "--block-size",
+        "16",
+    ]
     assert "--quantization" not in " ".join(flags)
 
 
 def test_variants_overlay_only_their_own_fields(tmp_path):
-    r = _recipe(tmp_path, engine={"max_model_len": 1024, "max_num_seqs": 8, "extra_args": ["--seed", "1"]},
-                variants=[{"name": "big-batch", "engine": {"max_num_seqs": 64, "extra_args": ["--block-size", "16"]}}])
+    r = _recipe(
+        tmp_path,
+        engine={"max_model_len": 1024, "max_num_seqs": 8, "extra_args": ["--seed", "1"]},
+        variants=[{"name": "big-batch", "engine": {"max_num_seqs": 64, "extra_args": ["--block-size", "16"]}}],
+    )
     (n0, e0), (n1, e1) = variant_engines(stage_input("benchmark", r, "baseline", tmp_path))
     assert (n0, e0.max_num_seqs, e0.max_model_len) == ("default", 8, 1024)
     assert (n1, e1.max_num_seqs, e1.max_model_len) == ("big-batch", 64, 1024)
@@ -71,8 +96,17 @@ def test_variants_overlay_only_their_own_fields(tmp_path):
 
 def test_cpu_engine_gets_the_base_dtype_and_a_kv_cache_size_only_when_the_recipe_sets_none(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-                                                      "hidden_size": 256, "max_position_embeddings": 2048}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 256,
+                "max_position_embeddings": 2048,
+            }
+        )
+    )
     inp = stage_input("benchmark", _recipe(tmp_path, concurrency=[1, 4]), "baseline", tmp_path)
     e, notes = effective_engine(inp.benchmark.engine, inp, tmp_path, CPU_AVX512, need_len=96)
     assert e["kv_cache_memory_bytes"] >= 256 * 2**20 and "kv_cache_memory_bytes" in notes[0]
@@ -88,12 +122,24 @@ def test_cpu_engine_gets_the_base_dtype_and_a_kv_cache_size_only_when_the_recipe
 
 
 def _ct_config(tmp: Path, bits: int, wtype: str = "int", acts: bool = False) -> Path:
-    group = {"targets": ["Linear"], "weights": {"num_bits": bits, "type": wtype, "strategy": "group", "group_size": 128},
-             "input_activations": {"num_bits": 8, "type": wtype, "dynamic": True} if acts else None}
+    group = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": bits, "type": wtype, "strategy": "group", "group_size": 128},
+        "input_activations": {"num_bits": 8, "type": wtype, "dynamic": True} if acts else None,
+    }
     d = tmp / f"m{bits}{wtype}{acts}"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                                                      "config_groups": {"group_0": group}}}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "quantization_config": {
+                    "quant_method": "compressed-tensors",
+                    "format": "pack-quantized",
+                    "config_groups": {"group_0": group},
+                }
+            }
+        )
+    )
     return d
 
 
@@ -102,8 +148,14 @@ def test_servability_is_decided_by_scheme_and_platform(tmp_path):
     w8 = quant_scheme(_ct_config(tmp_path, 8))
     fp8 = quant_scheme(_ct_config(tmp_path, 8, "float", acts=True))
     w8a8 = quant_scheme(_ct_config(tmp_path, 8, "int", acts=True))
-    assert w4 == {"quant_method": "compressed-tensors", "format": "pack-quantized", "weight_bits": 4, "weight_type": "int",
-                  "activations": False, "group_size": 128}
+    assert w4 == {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "weight_bits": 4,
+        "weight_type": "int",
+        "activations": False,
+        "group_size": 128,
+    }
     why = unservable_reason(w4, "gptq", CPU_AVX2)
     assert why and "cpu_gemm_wna16" in why and "W4A16" in why
     assert unservable_reason(w4, "gptq", CPU_AVX512) is None
@@ -115,17 +167,21 @@ def test_servability_is_decided_by_scheme_and_platform(tmp_path):
 
 
 def test_failure_reason_finds_the_root_cause_not_the_wrapper():
-    log = "\n".join([
-        "(APIServer pid=1) INFO 11-30 06:30:08 [api_utils.py:286] non-default args: {}",
-        "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953] Traceback (most recent call last):",
-        "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953] ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: ",
-        "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953]  CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported",
-        "(EngineCore pid=3) INFO 11-30 06:30:45 [multiproc_executor.py:479] [shutdown] Executor: waiting for worker exit count=1",
-        "(EngineCore pid=3) ERROR 11-30 06:30:50 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.",
-        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
-    ])
+    log = "\n".join(
+        [
+            "(APIServer pid=1) INFO 11-30 06:30:08 [api_utils.py:286] non-default args: {}",
+            "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953] Traceback (most recent call last):",
+            "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953] ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: ",
+            "(Worker pid=2) ERROR 11-30 06:30:45 [multiproc_executor.py:953]  CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported",
+            "(EngineCore pid=3) INFO 11-30 06:30:45 [multiproc_executor.py:479] [shutdown] Executor: waiting for worker exit count=1",
+            "(EngineCore pid=3) ERROR 11-30 06:30:50 [core.py:1510] Exception: WorkerProc initialization failed due to an exception in a background process. See stack trace for root cause.",
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
+        ]
+    )
     why = failure_reason(log)
-    assert why.startswith("ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: CPUWNA16LinearKernel")
+    assert why.startswith(
+        "ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: CPUWNA16LinearKernel"
+    )
     assert "initialization failed" not in why
     assert failure_reason("") == "server exited without any output"
 
@@ -135,8 +191,9 @@ def test_failure_reason_finds_the_root_cause_not_the_wrapper():
 
 def _model_dir(path: Path, **config) -> Path:
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps({"_name_or_path": str(path), "architectures": ["LlamaForCausalLM"],
-                                                  "hidden_size": 128, **config}))
+    (path / "config.json").write_text(
+        json.dumps({"_name_or_path": str(path), "architectures": ["LlamaForCausalLM"], "hidden_size": 128, **config})
+    )
     return path
 
 
@@ -175,21 +232,37 @@ def test_a_stable_path_in_use_is_not_repointed(tmp_path, monkeypatch):
 
 
 def _row(variant, c, goodput, ttft_p99, rps=1.0, failed=0, workload="fixed"):
-    return {"variant": variant, "workload": workload, "concurrency": c, "completed": 8, "failed": failed, "goodput": goodput,
-            "request_throughput": rps, "ttft_ms": {"p99": ttft_p99}, "tpot_ms": {"p99": 10.0},
-            "slo_met": failed == 0 and ttft_p99 <= 100}
+    return {
+        "variant": variant,
+        "workload": workload,
+        "concurrency": c,
+        "completed": 8,
+        "failed": failed,
+        "goodput": goodput,
+        "request_throughput": rps,
+        "ttft_ms": {"p99": ttft_p99},
+        "tpot_ms": {"p99": 10.0},
+        "slo_met": failed == 0 and ttft_p99 <= 100,
+    }
 
 
 def test_best_is_the_most_goodput_within_the_slo_none_when_none_meets_it_the_most_req_s_without_one(tmp_path):
     r = _recipe(tmp_path, slo={"ttft_p99_ms": 100}, workloads=[{"name": "fixed"}, {"name": "other"}]).benchmark
-    rows = [_row("default", 1, 5.0, 50), _row("default", 4, 9.0, 150), _row("big", 4, 7.0, 90), _row("big", 16, 8.0, 99, failed=1),
-            _row("big", 16, 99.0, 10, workload="other")]
+    rows = [
+        _row("default", 1, 5.0, 50),
+        _row("default", 4, 9.0, 150),
+        _row("big", 4, 7.0, 90),
+        _row("big", 16, 8.0, 99, failed=1),
+        _row("big", 16, 99.0, 10, workload="other"),
+    ]
     best = pick_best(rows, r)
     assert (best["variant"], best["concurrency"], best["goodput"]) == ("big", 4, 7.0)
     assert "meets the SLO" in best["reason"]
     none = pick_best([_row("default", 4, 0.0, 150)], r)
     assert none["variant"] is None and "no variant meets the SLO" in none["reason"]
-    free = pick_best([_row("default", 1, None, 50, rps=3.0), _row("default", 4, None, 500, rps=6.0)], _recipe(tmp_path).benchmark)
+    free = pick_best(
+        [_row("default", 1, None, 50, rps=3.0), _row("default", 4, None, 500, rps=6.0)], _recipe(tmp_path).benchmark
+    )
     assert (free["variant"], free["concurrency"]) == ("default", 4) and "no SLO" in free["reason"]
 
 
@@ -201,8 +274,16 @@ def _detailed(n: int, ttft_s: float, itl_s: float, out: int, jitter: float, seed
     ttfts = [ttft_s * (1 + rng.uniform(-jitter, jitter)) for _ in range(n)]
     itls = [[itl_s * (1 + rng.uniform(-jitter, jitter)) for _ in range(out - 1)] for _ in range(n)]
     duration = sum(t + sum(i) for t, i in zip(ttfts, itls))
-    return {"ttfts": ttfts, "itls": itls, "output_lens": [out] * n, "errors": [""] * n, "completed": n,
-            "request_throughput": n / duration, "output_throughput": n * out / duration, "request_goodput": n / duration}
+    return {
+        "ttfts": ttfts,
+        "itls": itls,
+        "output_lens": [out] * n,
+        "errors": [""] * n,
+        "completed": n,
+        "request_throughput": n / duration,
+        "output_throughput": n * out / duration,
+        "request_goodput": n / duration,
+    }
 
 
 def test_sweep_point_intervals_come_from_its_requests_and_narrow_with_more_of_them():
@@ -232,8 +313,13 @@ def test_a_point_wider_than_the_precision_asks_for_requests_in_proportion_to_its
     assert prompts_for(0.03, 32, 0.06, 512) == 128  # half-width ~ 1/sqrt(n): twice as wide, four times the requests
     assert prompts_for(0.03, 32, 0.02, 512) == 32 and prompts_for(0.03, 32, None, 512) == 32
     assert prompts_for(0.01, 32, 0.2, 512) == 512
-    row = {"tpot_ms": {"p50": 10.0, "p50_ci95": [9.0, 11.0]}, "e2el_ms": {"p50": 100.0, "p50_ci95": [98.0, 102.0]},
-           "ttft_ms": {"p50": 5.0, "p50_ci95": [1.0, 9.0]}, "output_throughput": 50.0, "ci95": {"output_throughput": [48.0, 53.0]}}
+    row = {
+        "tpot_ms": {"p50": 10.0, "p50_ci95": [9.0, 11.0]},
+        "e2el_ms": {"p50": 100.0, "p50_ci95": [98.0, 102.0]},
+        "ttft_ms": {"p50": 5.0, "p50_ci95": [1.0, 9.0]},
+        "output_throughput": 50.0,
+        "ci95": {"output_throughput": [48.0, 53.0]},
+    }
     assert widest_half_width(row) == 0.1  # TPOT's ±10 %, not TTFT's ±80 % (queueing) nor throughput's ±5 %
 
 
@@ -289,20 +375,31 @@ def _env(tmp: Path) -> dict:
     return {**os.environ, "TMPDIR": str(t), "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _stage_cmd(tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Path | None = None, how: str = "worker") -> list[str]:
+def _stage_cmd(
+    tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Path | None = None, how: str = "worker"
+) -> list[str]:
     """The stage's command in the serve environment, its input built by stage_input as the runner builds it; `how`:
     "worker" is pipeline/worker.py as the runner starts it, "direct" the stage called as from a notebook."""
     out = tmp / "out"
     out.mkdir(parents=True)
     inp = stage_input("benchmark", recipe, artifact, base_dir or recipe.base.model)
-    spec = {"stage": f"benchmark:{artifact}", "kind": "benchmark", "input": inp.model_dump(mode="json"), "src": str(src), "out": str(out),
-            "upstream": {}, "metrics": str(tmp / "metrics.json")}
+    spec = {
+        "stage": f"benchmark:{artifact}",
+        "kind": "benchmark",
+        "input": inp.model_dump(mode="json"),
+        "src": str(src),
+        "out": str(out),
+        "upstream": {},
+        "metrics": str(tmp / "metrics.json"),
+    }
     (tmp / "stage.json").write_text(json.dumps(spec))
     program = REPO / "pipeline" / "worker.py" if how == "worker" else HELPERS / "stage_direct.py"
     return [str(_serve_python()), str(program), str(tmp / "stage.json")]
 
 
-def run_stage(tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Path | None = None, timeout_s: float = 2400) -> dict:
+def run_stage(
+    tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Path | None = None, timeout_s: float = 2400
+) -> dict:
     """Run the stage in the serve environment in its own session; check nothing outlives it."""
     cmd = _stage_cmd(tmp, recipe, src, artifact, base_dir)
     with open(tmp / "stage.log", "w") as logf:
@@ -321,8 +418,12 @@ def run_stage(tmp: Path, recipe: Recipe, src: Path, artifact: str, base_dir: Pat
 
 
 def _quantize(src: Path, dst: Path, scheme: str) -> Path:
-    subprocess.run([sys.executable, str(HELPERS / "tiny_artifacts.py"), "quantize", str(src), str(dst), scheme],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, str(HELPERS / "tiny_artifacts.py"), "quantize", str(src), str(dst), scheme],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return dst
 
 
@@ -331,8 +432,19 @@ def models(tiny, tmp_path_factory):
     """The tiny Llama, its LoRA merged in (the baseline), a W8A16 and a W4A16 artifact, and a broken copy."""
     root = tmp_path_factory.mktemp("bench-models")
     merged = root / "merged"
-    subprocess.run([sys.executable, str(HELPERS / "tiny_artifacts.py"), "merge", str(tiny.llama), str(tiny.llama_lora), str(merged)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            str(HELPERS / "tiny_artifacts.py"),
+            "merge",
+            str(tiny.llama),
+            str(tiny.llama_lora),
+            str(merged),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     broken = root / "broken"
     shutil.copytree(tiny.llama, broken)
     from safetensors.torch import load_file, save_file
@@ -359,9 +471,22 @@ def models(tiny, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench-server")
-    srv = Server(tiny.llama, ["--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager", "--kv-cache-memory-bytes", str(256 * 2**20)],
-                 log_path=tmp / "server.log", served_model_name="tiny", python=_serve_python(),
-                 env={"VLLM_SERVER_DEV_MODE": "1", "TMPDIR": str(tmp)})
+    srv = Server(
+        tiny.llama,
+        [
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "512",
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(256 * 2**20),
+        ],
+        log_path=tmp / "server.log",
+        served_model_name="tiny",
+        python=_serve_python(),
+        env={"VLLM_SERVER_DEV_MODE": "1", "TMPDIR": str(tmp)},
+    )
     with srv:
         yield srv
     assert srv.pids() == [] and not port_in_use(srv.port)
@@ -374,7 +499,9 @@ def test_server_listens_on_localhost_only(server):
     listening = []
     for pid in server.pids():
         try:
-            listening += [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+            listening += [
+                c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+            ]
         except psutil.Error:
             pass
     assert listening, "the server listens on nothing"
@@ -405,7 +532,9 @@ def test_a_server_too_slow_for_its_first_request_is_reported_in_its_deadline_nam
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     log = tmp_path / "server.log"
-    log.write_text("(Worker pid=1) INFO [__init__.py:797] Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8\n")
+    log.write_text(
+        "(Worker pid=1) INFO [__init__.py:797] Selected ChannelWiseTorchFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8\n"
+    )
     monkeypatch.setattr(measure, "FIRST_REQUEST_S", 0.5)
     srv = Server.connect(httpd.server_address[1], "m", log_path=log)
     t0 = time.perf_counter()
@@ -413,7 +542,9 @@ def test_a_server_too_slow_for_its_first_request_is_reported_in_its_deadline_nam
         measure.warm_up(srv, Workload(name="fixed", input_len=32, output_len=4), 4096, ["m"], 0)
     httpd.shutdown()
     assert time.perf_counter() - t0 < 3
-    assert e.value.reason.startswith("a first request of 32 prompt tokens and 4 output tokens took over 0.5 s, too slow to measure")
+    assert e.value.reason.startswith(
+        "a first request of 32 prompt tokens and 4 output tokens took over 0.5 s, too slow to measure"
+    )
     assert "ChannelWiseTorchFP8ScaledMMLinearKernel (CompressedTensorsW8A8Fp8)" in e.value.reason
 
 
@@ -421,11 +552,11 @@ def test_the_goodput_search_bisects_from_the_sweep_to_within_10_percent():
     from quantpipe.stages.benchmark.choose import highest_within_slo
 
     for true_max, known, want, want_probes in (
-        (40, {1: True, 4: True}, 37, [64, 34, 49, 41, 37]),   # stops when the pass and the fail are within 10 %
-        (64, {1: True, 4: True}, 64, [64]),                   # the bound first: one probe when it holds there
+        (40, {1: True, 4: True}, 37, [64, 34, 49, 41, 37]),  # stops when the pass and the fail are within 10 %
+        (64, {1: True, 4: True}, 64, [64]),  # the bound first: one probe when it holds there
         (17, {1: True, 4: True, 16: True, 32: False}, 16, [24, 20, 18]),  # 16 and 18 are within 10 %
         (1, {1: True, 4: False}, 1, [2]),
-        (0, {1: False}, None, []),                            # fails at 1: nothing to search
+        (0, {1: False}, None, []),  # fails at 1: nothing to search
     ):
         got, probed = highest_within_slo(lambda c: c <= true_max, known, 64)
         assert (got, probed) == (want, want_probes), (true_max, got, probed)
@@ -447,7 +578,10 @@ def _bench_agreement():
     return mod
 
 
-ROUNDS, MAX_ROUNDS = 4, 10  # 44-64 s each on a 2-core CPU; docs/BENCHMARKS.md's agreement table comes from the script's longer runs
+ROUNDS, MAX_ROUNDS = (
+    4,
+    10,
+)  # 44-64 s each on a 2-core CPU; docs/BENCHMARKS.md's agreement table comes from the script's longer runs
 
 
 @pytest.mark.slow
@@ -462,10 +596,38 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
     resolve 5 % in a test's time: the test skips, saying the intervals and the rounds that spread would need. The
     exact part (vLLM parses quantpipe's arguments to the same values as the hand-written ones; quantpipe's rows carry
     vLLM's figures) always holds."""
-    subprocess.run([str(_serve_python()), str(REPO / "bench" / "bench_agreement.py"), "--port", str(server.port), "--model-name", "tiny",
-                    "--tokenizer", str(tiny.llama), "--rounds", str(ROUNDS), "--max-rounds", str(MAX_ROUNDS), "--num-prompts", "48", "--input-len", "64", "--output-len", "32",
-                    "--concurrency", "4", "--out", str(tmp_path), "--json", str(tmp_path / "agreement.json")],
-                   check=True, env=_env(tmp_path), timeout=1200, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            str(_serve_python()),
+            str(REPO / "bench" / "bench_agreement.py"),
+            "--port",
+            str(server.port),
+            "--model-name",
+            "tiny",
+            "--tokenizer",
+            str(tiny.llama),
+            "--rounds",
+            str(ROUNDS),
+            "--max-rounds",
+            str(MAX_ROUNDS),
+            "--num-prompts",
+            "48",
+            "--input-len",
+            "64",
+            "--output-len",
+            "32",
+            "--concurrency",
+            "4",
+            "--out",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "agreement.json"),
+        ],
+        check=True,
+        env=_env(tmp_path),
+        timeout=1200,
+        stdout=subprocess.DEVNULL,
+    )
     res = json.loads((tmp_path / "agreement.json").read_text())
     assert res["args_diff"] == {}, res["args_diff"]
     rounds = len(res["quantpipe"])
@@ -476,9 +638,14 @@ def test_figures_agree_with_vllm_bench_serve_within_5_percent(server, tiny, tmp_
     for r in res["quantpipe"]:  # quantpipe's row carries vLLM's figures unchanged
         raw = json.loads((tmp_path / r["raw"]).read_text())
         assert (r["ttft_ms"]["p99"], r["tpot_ms"]["p50"], r["e2el_ms"]["p90"], r["output_throughput"]) == (
-            raw["p99_ttft_ms"], raw["p50_tpot_ms"], raw["p90_e2el_ms"], raw["output_throughput"])
+            raw["p99_ttft_ms"],
+            raw["p50_tpot_ms"],
+            raw["p90_e2el_ms"],
+            raw["output_throughput"],
+        )
     said = f"after {rounds} paired rounds, quantpipe / direct - 1 (95 % intervals): " + ", ".join(
-        f"{k} {e:+.1%} [{lo:+.1%}, {hi:+.1%}]" for k, (e, lo, hi) in res["intervals"].items())
+        f"{k} {e:+.1%} [{lo:+.1%}, {hi:+.1%}]" for k, (e, lo, hi) in res["intervals"].items()
+    )
     if res["verdict"] == "unresolved":
         pytest.skip(f"5 % not resolved {said}; this spread needs about {res['rounds_needed']} rounds")
     assert res["verdict"] == "agree", said
@@ -490,13 +657,22 @@ def test_a_client_started_early_serves_the_first_run_from_the_same_process(tmp_p
     """The benchmark starts its `vllm bench serve` client before the server, so that its vLLM imports overlap the
     server's start: the first run must come from that process. Forked (CUDA hosts) the second run forks from it too;
     otherwise each run is a process of its own, so the second comes from a new one."""
-    r = subprocess.run([str(_serve_python()), str(HELPERS / "bench_client_early.py"), str(tmp_path), fork],
-                       env=_env(tmp_path), timeout=300, check=True, capture_output=True, text=True)
+    r = subprocess.run(
+        [str(_serve_python()), str(HELPERS / "bench_client_early.py"), str(tmp_path), fork],
+        env=_env(tmp_path),
+        timeout=300,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["rc"] == [0, 0], got["log"]
     assert "usage: vllm bench serve" in got["log"]  # the run was vLLM's own `bench serve` parser
     if fork == "yes":
-        assert got["pids"][0] != got["pid_started"] and got["pids"][1] not in (got["pids"][0], got["pid_started"])  # forked children
+        assert got["pids"][0] != got["pid_started"] and got["pids"][1] not in (
+            got["pids"][0],
+            got["pid_started"],
+        )  # forked children
     else:
         assert got["pids"][0] == got["pid_started"] and got["pids"][1] != got["pid_started"]
 
@@ -506,13 +682,19 @@ def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
     assert ba.verdict({"a": (0.01, -0.03, 0.04), "b": (0.0, -0.049, 0.049)}) == "agree"
     assert ba.verdict({"a": (0.01, -0.03, 0.04), "b": (0.04, 0.02, 0.06)}) == "unresolved"
     assert ba.verdict({"a": (0.01, -0.03, 0.04), "b": (-0.09, -0.12, -0.06)}) == "disagree"
-    qp = [{"output_throughput": 100 * f, "ttft_ms": {"mean": 10.0}, "tpot_ms": {"mean": 5.0}} for f in (1.0, 1.02, 0.98, 1.01, 0.99, 1.0)]
+    qp = [
+        {"output_throughput": 100 * f, "ttft_ms": {"mean": 10.0}, "tpot_ms": {"mean": 5.0}}
+        for f in (1.0, 1.02, 0.98, 1.01, 0.99, 1.0)
+    ]
     direct = [{"output_throughput": 100.0, "mean_ttft_ms": 10.0, "mean_tpot_ms": 5.0}] * 6
     est, lo, hi = ba.paired_intervals(qp, direct)["output_throughput"]
     assert abs(est) < 0.002 and -0.03 < lo < 0 < hi < 0.03
     assert ba.rounds_needed(qp, direct) <= 2  # a 1.4 % spread resolves ±5 % at once
     # 4 rounds 2.9 % below, spread 2.3 %: the interval straddles -5 %; more rounds than 4 are needed, and said
-    wide = [{"output_throughput": 100 * f, "ttft_ms": {"mean": 10.0}, "tpot_ms": {"mean": 5.0}} for f in (0.94, 0.97, 0.99, 0.984)]
+    wide = [
+        {"output_throughput": 100 * f, "ttft_ms": {"mean": 10.0}, "tpot_ms": {"mean": 5.0}}
+        for f in (0.94, 0.97, 0.99, 0.984)
+    ]
     assert ba.verdict(ba.paired_intervals(wide, direct[:4])) == "unresolved"
     assert 5 <= ba.rounds_needed(wide, direct[:4]) <= 20
 
@@ -520,11 +702,28 @@ def test_the_agreement_verdict_needs_every_interval_inside_the_bound():
 @pytest.mark.slow
 def test_a_sweep_point_where_every_request_failed_stops_the_stage(server, tiny, tmp_path):
     """vLLM's `vllm bench serve` exits 0 when every request failed; the stage must not report such a run's zeros."""
-    recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], concurrency=[2])
-    cfg = {"port": server.port, "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama), "out": str(tmp_path / "out")}
+    recipe = _recipe(
+        tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], concurrency=[2]
+    )
+    cfg = {
+        "port": server.port,
+        "recipe": recipe.model_dump(mode="json"),
+        "tokenizer": str(tiny.llama),
+        "out": str(tmp_path / "out"),
+    }
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    p = subprocess.run([str(_serve_python()), str(HELPERS / "measure_all_fail.py"), str(REPO / "pipeline"), str(tmp_path / "cfg.json")],
-                       env=_env(tmp_path), timeout=600, capture_output=True, text=True)
+    p = subprocess.run(
+        [
+            str(_serve_python()),
+            str(HELPERS / "measure_all_fail.py"),
+            str(REPO / "pipeline"),
+            str(tmp_path / "cfg.json"),
+        ],
+        env=_env(tmp_path),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
     assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
     msg = p.stdout.strip().splitlines()[-1]
     assert "completed none of the requests of workload 'fixed' at concurrency 2" in msg and "4 failed" in msg, msg
@@ -537,17 +736,35 @@ def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_keep
     requests its spread asks for (up to `max_prompts`), and the pilot's result is kept beside it. (Whether the second
     interval is narrower is left out: a bootstrap over a 4-request pilot understates its spread, so it can come out
     narrower than the interval of the 24 requests.)"""
-    recipe = _recipe(tmp_path, workloads=[{"name": "fixed", "input_len": 16, "output_len": 8, "num_prompts": 4}], concurrency=[2],
-                     precision=0.01, max_prompts=24)
-    cfg = {"port": server.port, "model": "tiny", "recipe": recipe.model_dump(mode="json"), "tokenizer": str(tiny.llama),
-           "out": str(tmp_path / "out"), "result": str(tmp_path / "rows.json")}
+    recipe = _recipe(
+        tmp_path,
+        workloads=[{"name": "fixed", "input_len": 16, "output_len": 8, "num_prompts": 4}],
+        concurrency=[2],
+        precision=0.01,
+        max_prompts=24,
+    )
+    cfg = {
+        "port": server.port,
+        "model": "tiny",
+        "recipe": recipe.model_dump(mode="json"),
+        "tokenizer": str(tiny.llama),
+        "out": str(tmp_path / "out"),
+        "result": str(tmp_path / "rows.json"),
+    }
     (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    subprocess.run([str(_serve_python()), str(HELPERS / "measure_server.py"), str(tmp_path / "cfg.json")],
-                   env=_env(tmp_path), timeout=600, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [str(_serve_python()), str(HELPERS / "measure_server.py"), str(tmp_path / "cfg.json")],
+        env=_env(tmp_path),
+        timeout=600,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     (row,) = json.loads((tmp_path / "rows.json").read_text())
     pilot = row["pilot"]
     assert pilot["num_prompts"] == 4 and pilot["half_width"] > 0.01, row
-    assert row["num_prompts"] == row["completed"] == row["ci_requests"] == 24  # ±1 % from 4 requests asks for more than the cap
+    assert (
+        row["num_prompts"] == row["completed"] == row["ci_requests"] == 24
+    )  # ±1 % from 4 requests asks for more than the cap
     assert row["half_width"] > 0, row
     assert json.loads((tmp_path / "out" / pilot["raw"]).read_text())["completed"] == 4
     assert json.loads((tmp_path / "out" / row["raw"]).read_text())["completed"] == 24
@@ -560,13 +777,27 @@ def test_a_point_wider_than_the_precision_runs_again_with_more_requests_and_keep
 @pytest.mark.slow
 def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     recipe = _recipe(
-        tmp_path, model=str(models.base), validation=models.validation, adapters=[models.lora],
+        tmp_path,
+        model=str(models.base),
+        validation=models.validation,
+        adapters=[models.lora],
         engine={"enforce_eager": True, "max_model_len": 512},
         variants=[{"name": "no-prefix-cache", "engine": {"enable_prefix_caching": False}}],
-        workloads=[{"name": "fixed", "input_len": 32, "output_len": 16, "num_prompts": 8},
-                   {"name": "val", "kind": "validation", "output_len": 16, "num_prompts": 8},
-                   {"name": "prefix", "kind": "shared_prefix", "prefix_len": 256, "input_len": 32, "output_len": 16, "num_prompts": 8}],
-        concurrency=[1, 4], slo={"ttft_p99_ms": 5000, "tpot_p99_ms": 1000}, offline=False,  # offline: its own test
+        workloads=[
+            {"name": "fixed", "input_len": 32, "output_len": 16, "num_prompts": 8},
+            {"name": "val", "kind": "validation", "output_len": 16, "num_prompts": 8},
+            {
+                "name": "prefix",
+                "kind": "shared_prefix",
+                "prefix_len": 256,
+                "input_len": 32,
+                "output_len": 16,
+                "num_prompts": 8,
+            },
+        ],
+        concurrency=[1, 4],
+        slo={"ttft_p99_ms": 5000, "tpot_p99_ms": 1000},
+        offline=False,  # offline: its own test
         goodput_search=12,
     )
     t0 = time.perf_counter()
@@ -580,7 +811,8 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     assert st["compile_cache"] is None and st["before_engine_s"] is not None, st
     rows = m["results"]
     assert {(r["variant"], r["workload"], r["concurrency"]) for r in rows} == {
-        (v, w, c) for v in ("default", "no-prefix-cache") for w in ("fixed", "val", "prefix") for c in (1, 4)}
+        (v, w, c) for v in ("default", "no-prefix-cache") for w in ("fixed", "val", "prefix") for c in (1, 4)
+    }
     for r in rows:
         assert r["completed"] == 8 and r["failed"] == 0, r
         assert r["request_throughput"] > 0 and r["output_throughput"] > 0 and r["duration_s"] > 0
@@ -605,26 +837,47 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     assert by[("default", "fixed", 4)]["prefix_cache_hit_rate"] < 0.2  # the cache is reset between runs
     assert not by[("no-prefix-cache", "prefix", 4)]["prefix_cache_hit_rate"]
     mem = m["memory"]
-    assert mem["kv_cache_tokens"] > 1000 and 0 < mem["weights_gib"] < 1 and mem["peak_rss_gib"] > 0.3 and mem["preemptions"] == 0
+    assert (
+        mem["kv_cache_tokens"] > 1000
+        and 0 < mem["weights_gib"] < 1
+        and mem["peak_rss_gib"] > 0.3
+        and mem["preemptions"] == 0
+    )
     # Served by the stable link to the artifact (the log's first line is the server's command).
     served = Path(m["served_path"])
     assert served.is_symlink() and served.resolve() == models.merged.resolve()
     assert (tmp_path / "out" / "logs" / "server-default.log").read_text().splitlines()[0].split()[5] == str(served)
     # The goodput search starts above the sweep's passing points, at its bound: the SLO holds there too, so one probe.
     gs = m["goodput_search"]
-    assert gs["workload"] == "fixed" and gs["from_sweep"] == [1, 4] and gs["probed"] == [12] and gs["concurrency"] == 12, gs
-    assert [(r["variant"], r["concurrency"], r["slo_met"], r["completed"]) for r in gs["rows"]] == [("search", 12, True, 8)]
+    assert (
+        gs["workload"] == "fixed" and gs["from_sweep"] == [1, 4] and gs["probed"] == [12] and gs["concurrency"] == 12
+    ), gs
+    assert [(r["variant"], r["concurrency"], r["slo_met"], r["completed"]) for r in gs["rows"]] == [
+        ("search", 12, True, 8)
+    ]
     assert (tmp_path / "out" / gs["rows"][0]["raw"]).is_file() and gs["goodput"] == gs["rows"][0]["goodput"] > 0
     if gs["goodput"] > max(r["goodput"] for r in rows if r["workload"] == "fixed"):
-        assert m["best"] == {"variant": "default", "concurrency": 12, "goodput": gs["goodput"], "goodput_ci95": gs["goodput_ci95"],
-                             "search": True, "reason": m["best"]["reason"]} and "goodput search" in m["best"]["reason"]
+        assert (
+            m["best"]
+            == {
+                "variant": "default",
+                "concurrency": 12,
+                "goodput": gs["goodput"],
+                "goodput_ci95": gs["goodput_ci95"],
+                "search": True,
+                "reason": m["best"]["reason"],
+            }
+            and "goodput search" in m["best"]["reason"]
+        )
     else:
         assert m["best"]["concurrency"] in (1, 4) and not m["best"].get("search")
     assert m["best"]["goodput"] > 0
     assert m["offline"] is None
     lora = m["lora"]
     assert lora["servable"] is True and lora["adapters"] == {"adapter0": str(models.lora)}
-    assert {(r["workload"], r["concurrency"]) for r in lora["results"]} == {(w, c) for w in ("fixed", "val", "prefix") for c in (1, 4)}
+    assert {(r["workload"], r["concurrency"]) for r in lora["results"]} == {
+        (w, c) for w in ("fixed", "val", "prefix") for c in (1, 4)
+    }
     assert all(r["completed"] == 8 and r["failed"] == 0 for r in lora["results"])
     assert len(lora["comparison"]) == 6 and all(c["output_throughput_ratio"] > 0 for c in lora["comparison"])
     for p in [v["port"] for v in m["variants"].values()] + [lora["port"]]:
@@ -634,8 +887,19 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
 @pytest.mark.slow
 @pytest.mark.long
 def test_offline_latency_and_throughput_come_from_vllms_own_benches(tiny, tmp_path):
-    r = subprocess.run([str(_serve_python()), str(HELPERS / "offline_bench.py"), str(REPO / "pipeline"), str(tiny.llama), str(tmp_path / "out")],
-                       capture_output=True, text=True, env=_env(tmp_path), timeout=1200)
+    r = subprocess.run(
+        [
+            str(_serve_python()),
+            str(HELPERS / "offline_bench.py"),
+            str(REPO / "pipeline"),
+            str(tiny.llama),
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=1200,
+    )
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and line, r.stderr[-3000:]
     off = json.loads(line[0][6:])
@@ -652,8 +916,12 @@ def test_offline_latency_and_throughput_come_from_vllms_own_benches(tiny, tmp_pa
 
 @pytest.mark.slow
 def test_w8a16_is_reported_not_servable_without_starting_a_server(models, tmp_path):
-    recipe = _recipe(tmp_path, model=str(models.base), artifact=("rtn-w8", "rtn"),
-                     workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}])
+    recipe = _recipe(
+        tmp_path,
+        model=str(models.base),
+        artifact=("rtn-w8", "rtn"),
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+    )
     m = run_stage(tmp_path, recipe, models.w8a16, "rtn-w8")
     assert m["servable"] is False and m["results"] == [] and m["offline"] is None
     assert m["reason"].startswith("not servable here: W8A16 (rtn)") and m["status_note"] == m["reason"]
@@ -663,20 +931,36 @@ def test_w8a16_is_reported_not_servable_without_starting_a_server(models, tmp_pa
 @pytest.mark.slow
 def test_w4a16_follows_the_kernels_this_platform_has(models, tmp_path):
     """W4A16 needs cpu_gemm_wna16: on an AVX2-only CPU it is reported, on an AVX-512 CPU it is served."""
-    recipe = _recipe(tmp_path, model=str(models.base), artifact=("rtn-w4", "rtn"), engine={"enforce_eager": True, "max_model_len": 256},
-                     offline=False, workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], concurrency=[2])
+    recipe = _recipe(
+        tmp_path,
+        model=str(models.base),
+        artifact=("rtn-w4", "rtn"),
+        engine={"enforce_eager": True, "max_model_len": 256},
+        offline=False,
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+        concurrency=[2],
+    )
     m = run_stage(tmp_path, recipe, models.w4a16, "rtn-w4")
     if m["platform_info"]["kernels"]["cpu_gemm_wna16"]:
         assert m["servable"] is True and m["results"][0]["completed"] == 4 and m["results"][0]["failed"] == 0
         assert "CPUWNA16" in (tmp_path / "out" / "logs" / "server-default.log").read_text()
     else:
-        assert m["servable"] is False and "cpu_gemm_wna16" in m["reason"] and m["reason"].startswith("not servable here:")
+        assert (
+            m["servable"] is False and "cpu_gemm_wna16" in m["reason"] and m["reason"].startswith("not servable here:")
+        )
 
 
 @pytest.mark.slow
 def test_a_server_that_dies_at_startup_is_reported_with_its_error(models, tmp_path):
-    recipe = _recipe(tmp_path, model=str(models.base), artifact=("broken", "fp8"), engine={"enforce_eager": True, "max_model_len": 256},
-                     offline=False, workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], concurrency=[1])
+    recipe = _recipe(
+        tmp_path,
+        model=str(models.base),
+        artifact=("broken", "fp8"),
+        engine={"enforce_eager": True, "max_model_len": 256},
+        offline=False,
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+        concurrency=[1],
+    )
     m = run_stage(tmp_path, recipe, models.broken, "broken")
     assert m["servable"] is False and m["results"] == []
     assert m["reason"].startswith("not servable here: ") and "Error" in m["reason"], m["reason"]
@@ -706,15 +990,27 @@ def _wait_for_server(log: Path, proc: subprocess.Popen, timeout_s: float = 600) 
 def test_no_server_outlives_an_interrupted_stage(models, tmp_path, how):
     """SIGTERM to the worker (what the runner sends) or Ctrl-C in the stage itself: the server and its
     engine processes end, and the port is free again."""
-    recipe = _recipe(tmp_path, model=str(models.base), engine={"enforce_eager": True, "max_model_len": 256}, offline=False,
-                     workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], concurrency=[1])
+    recipe = _recipe(
+        tmp_path,
+        model=str(models.base),
+        engine={"enforce_eager": True, "max_model_len": 256},
+        offline=False,
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+        concurrency=[1],
+    )
     # ctrl-c-stage: the stage called directly, as in a notebook: KeyboardInterrupt must stop the server
     cmd = _stage_cmd(tmp_path, recipe, models.base, "baseline", how="worker" if how == "sigterm-worker" else "direct")
     with open(tmp_path / "stage.log", "w") as logf:
         # SIGINT back to its default in the child: a shell starts background jobs with SIGINT ignored, and
         # Python then never installs its KeyboardInterrupt handler (CI or `make test &` would pass it by).
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        p = subprocess.Popen(
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=_env(tmp_path),
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             port = _wait_for_server(tmp_path / "out" / "logs" / "server-default.log", p)
             assert len(_group_alive(p.pid)) >= 3  # stage, API server, engine core (+ its worker)
@@ -749,25 +1045,43 @@ def test_start_up_phases_come_from_the_servers_log_cold_and_warm():
     from quantpipe.stages.benchmark.startup import startup_phases
 
     cold = startup_phases(COLD_START, start_s=95.0)
-    assert cold == {"ready_s": 95.0, "weights_s": 2.628007, "compile_s": 13.16, "graph_capture_s": 1.0, "engine_init_s": 32.05,
-                    "compile_cache": "miss", "before_engine_s": 42.0, "before_log_s": 12.0,  # 95 s - the log's 83 s
-                    "warmup_s": 15.0}  # graph capture finished 03:55:18, engine initialised 03:55:33
-    warm = COLD_START.replace("Compiling a graph for compile range (1, 8192) takes 9.95 s",
-                              "Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 0.325 s")
+    assert cold == {
+        "ready_s": 95.0,
+        "weights_s": 2.628007,
+        "compile_s": 13.16,
+        "graph_capture_s": 1.0,
+        "engine_init_s": 32.05,
+        "compile_cache": "miss",
+        "before_engine_s": 42.0,
+        "before_log_s": 12.0,  # 95 s - the log's 83 s
+        "warmup_s": 15.0,
+    }  # graph capture finished 03:55:18, engine initialised 03:55:33
+    warm = COLD_START.replace(
+        "Compiling a graph for compile range (1, 8192) takes 9.95 s",
+        "Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 0.325 s",
+    )
     assert startup_phases(warm.replace("took 13.16 s in total", "took 1.46 s in total"))["compile_cache"] == "hit"
     eager = startup_phases("\n".join(ln for ln in COLD_START.splitlines() if "compile" not in ln and "Graph" not in ln))
-    assert (eager["compile_cache"], eager["compile_s"], eager["graph_capture_s"], eager["warmup_s"], eager["before_log_s"]) == (None,) * 5
+    assert (
+        eager["compile_cache"],
+        eager["compile_s"],
+        eager["graph_capture_s"],
+        eager["warmup_s"],
+        eager["before_log_s"],
+    ) == (None,) * 5
 
 
 def test_engine_stats_are_the_peaks_of_the_servers_own_stats_log_lines():
     from quantpipe.stages.benchmark.measure import engine_stats
 
-    seg = "\n".join([
-        "(APIServer pid=1) INFO 11-30 07:01:02 [loggers.py:335] Engine 000: Avg prompt throughput: 384.0 tokens/s, Avg generation "
-        "throughput: 377.7 tokens/s, Running: 4 reqs, Waiting: 2 reqs, CPU KV cache usage: 0.2%, Prefix cache hit rate: 0.0%",
-        "(APIServer pid=1) INFO 11-30 07:01:03 [loggers.py:335] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation "
-        "throughput: 12.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 1.5%, Prefix cache hit rate: 0.0%",
-    ])
+    seg = "\n".join(
+        [
+            "(APIServer pid=1) INFO 11-30 07:01:02 [loggers.py:335] Engine 000: Avg prompt throughput: 384.0 tokens/s, Avg generation "
+            "throughput: 377.7 tokens/s, Running: 4 reqs, Waiting: 2 reqs, CPU KV cache usage: 0.2%, Prefix cache hit rate: 0.0%",
+            "(APIServer pid=1) INFO 11-30 07:01:03 [loggers.py:335] Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation "
+            "throughput: 12.0 tokens/s, Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: 1.5%, Prefix cache hit rate: 0.0%",
+        ]
+    )
     assert engine_stats(seg) == {"kv_cache_usage_peak": 0.015, "running_peak": 4, "waiting_peak": 2}
     assert engine_stats("nothing") == {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}
 

@@ -32,12 +32,15 @@ def test_commit_is_visible_only_when_complete(tmp_path):
     assert cache.verify_entry("quantize:a", "k1", got) == []
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda p: p.write_bytes(b"weightz"), "sha256 mismatch"),
-    (lambda p: p.write_bytes(b"wei"), "size"),
-    (lambda p: p.unlink(), "missing"),
-    (lambda p: (p.parent / "extra.bin").write_bytes(b"x"), "not written by the stage"),
-])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda p: p.write_bytes(b"weightz"), "sha256 mismatch"),
+        (lambda p: p.write_bytes(b"wei"), "size"),
+        (lambda p: p.unlink(), "missing"),
+        (lambda p: (p.parent / "extra.bin").write_bytes(b"x"), "not written by the stage"),
+    ],
+)
 def test_corruption_is_detected(tmp_path, damage, needle):
     cache = StageCache(tmp_path)
     cache.commit(build(cache), "quantize:a", "k1", {})
@@ -73,7 +76,9 @@ def test_files_linked_from_an_input_entry_take_its_recorded_hash(tmp_path, monke
     import quantpipe.cache as qc
 
     cache = StageCache(tmp_path)
-    q = cache.commit(build(cache, "quantize:a", "q", {"model.safetensors": b"weights", "copied.json": b"{}"}), "quantize:a", "q", {})
+    q = cache.commit(
+        build(cache, "quantize:a", "q", {"model.safetensors": b"weights", "copied.json": b"{}"}), "quantize:a", "q", {}
+    )
     q_out = cache.entry("quantize:a", "q") / "out"
     work = build(cache, "package:a", "p", {"manifest.json": b"{...}"})
     os.link(q_out / "model.safetensors", work / "out" / "model.safetensors")
@@ -82,7 +87,11 @@ def test_files_linked_from_an_input_entry_take_its_recorded_hash(tmp_path, monke
     monkeypatch.setattr(qc, "sha256_file", lambda p, *a: calls.append(p.name) or real(p, *a))
     pkg = cache.commit(work, "package:a", "p", {}, inputs=[q_out, tmp_path / "not-an-entry"])
     assert sorted(calls) == ["copied.json", "manifest.json"]
-    assert pkg["files"]["model.safetensors"]["sha256"] == q["files"]["model.safetensors"]["sha256"] == real(q_out / "model.safetensors")
+    assert (
+        pkg["files"]["model.safetensors"]["sha256"]
+        == q["files"]["model.safetensors"]["sha256"]
+        == real(q_out / "model.safetensors")
+    )
     assert cache.verify_entry("package:a", "p", pkg) == []
     # The linked file rewritten in place after the quantize commit: its mtime moved, so it is read again.
     work = build(cache, "package:a", "p2", {"card.md": b"#"})
@@ -90,7 +99,9 @@ def test_files_linked_from_an_input_entry_take_its_recorded_hash(tmp_path, monke
     (work / "out" / "model.safetensors").write_bytes(b"tampered")
     calls.clear()
     pkg2 = cache.commit(work, "package:a", "p2", {}, inputs=[q_out])
-    assert sorted(calls) == ["card.md", "model.safetensors"] and pkg2["files"]["model.safetensors"]["sha256"] == real(q_out / "model.safetensors")
+    assert sorted(calls) == ["card.md", "model.safetensors"] and pkg2["files"]["model.safetensors"]["sha256"] == real(
+        q_out / "model.safetensors"
+    )
 
 
 def test_a_stage_killed_midway_leaves_no_entry(tmp_path):

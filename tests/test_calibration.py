@@ -152,7 +152,11 @@ def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     words = "<s> </s> <unk> hello world some words here user assistant : a b c the quick brown fox".split()
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)} | {f"t{i}": 100 + i for i in range(300)}, unk_token="<unk>"))
+    tok = Tokenizer(
+        models.WordLevel(
+            {w: i for i, w in enumerate(words)} | {f"t{i}": 100 + i for i in range(300)}, unk_token="<unk>"
+        )
+    )
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     t = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -161,10 +165,13 @@ def tokenizer():
 
 
 def test_chat_rows_get_the_template_and_one_bos(tmp_path, tokenizer):
-    p = write_jsonl(tmp_path / "a.jsonl", [
-        {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]},
-        {"text": "hello world"},
-    ])
+    p = write_jsonl(
+        tmp_path / "a.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "world"}]},
+            {"text": "hello world"},
+        ],
+    )
     prep = cal.prepare(cfg(p, shuffle=False), tokenizer)
     assert tokenizer.decode(prep.input_ids[0]) == "<s> user : hello assistant : world"
     assert prep.input_ids[0].count(0) == 1  # the template's BOS, not a second one from add_special_tokens
@@ -190,7 +197,9 @@ def test_truncation_warns_with_count(tmp_path, tokenizer, caplog):
 
 
 def test_hash_stable_and_sensitive(tmp_path, tokenizer):
-    p = write_jsonl(tmp_path / "a.jsonl", [{"text": f"t{i} the quick brown fox the quick brown fox"} for i in range(50)])
+    p = write_jsonl(
+        tmp_path / "a.jsonl", [{"text": f"t{i} the quick brown fox the quick brown fox"} for i in range(50)]
+    )
     h1 = cal.prepare(cfg(p, num_samples=10, seed=3), tokenizer).sha256
     assert h1 == cal.prepare(cfg(p, num_samples=10, seed=3), tokenizer).sha256
     assert h1 != cal.prepare(cfg(p, num_samples=10, seed=4), tokenizer).sha256

@@ -48,10 +48,17 @@ def _recipe(smollm2, tmp_path: Path, name: str, adapter: bool, artifacts: list[d
 
 def _run(recipe: Path, tmp_path: Path, stages: str) -> dict:
     """`quantpipe run --stages ...` as a user runs it; the run record (run.json)."""
-    proc = subprocess.run([sys.executable, "-m", "quantpipe", "run", "-q", str(recipe), "--stages", stages],
-                          capture_output=True, text=True, cwd=tmp_path, timeout=3600,
-                          env={**os.environ, "QUANTPIPE_CACHE": str(tmp_path / "cache")})
-    assert proc.returncode in (0, 3), proc.stdout[-3000:] + proc.stderr[-6000:]  # 3: a gate failed, the figures are there
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", "-q", str(recipe), "--stages", stages],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=3600,
+        env={**os.environ, "QUANTPIPE_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode in (0, 3), (
+        proc.stdout[-3000:] + proc.stderr[-6000:]
+    )  # 3: a gate failed, the figures are there
     out = yaml.safe_load(recipe.read_text())["output_dir"]
     (run_json,) = Path(out).glob("runs/*/run.json")
     return json.loads(run_json.read_text())
@@ -65,8 +72,12 @@ def test_calibrated_methods_beat_rtn_and_the_adapter_moves_validation(smollm2, t
     demo = {a["name"]: a for a in yaml.safe_load((REPO / "recipes" / "demo.yaml").read_text())["artifacts"]}
     bits, group = demo["gptq"]["bits"], demo["gptq"]["group_size"]
     assert demo["awq"]["group_size"] == demo["rtn"]["group_size"] == group and demo["rtn"]["bits"] == bits
-    artifacts = [demo["gptq"], demo["awq"], {**demo["rtn"], "symmetric": True},
-                 {**demo["rtn"], "name": "rtn-asym", "symmetric": False}]
+    artifacts = [
+        demo["gptq"],
+        demo["awq"],
+        {**demo["rtn"], "symmetric": True},
+        {**demo["rtn"], "name": "rtn-asym", "symmetric": False},
+    ]
     merged = _run(_recipe(smollm2, tmp_path, "merged", True, artifacts), tmp_path, "quantize,evaluate")
     kl = {a["name"]: _evaluation(merged, f"evaluate:{a['name']}")["fidelity"]["kl_mean"] for a in artifacts}
     assert kl["gptq"] < kl["rtn"], kl

@@ -1,6 +1,6 @@
 """The generated docs are current: docs/recipes.md is what scripts/recipe_docs.py makes of the recipe schema (fast).
 
-    .venv/quantize/bin/python -m pytest tests/test_docs.py -q
+.venv/quantize/bin/python -m pytest tests/test_docs.py -q
 """
 
 import importlib.util
@@ -20,7 +20,9 @@ def _generator():
 def test_recipe_reference_matches_the_schema():
     expected = _generator().render()
     current = (REPO / "docs" / "recipes.md").read_text(encoding="utf-8")
-    assert current == expected, f"docs/recipes.md is out of date with the recipe schema; regenerate it with `{REGENERATE}`"
+    assert current == expected, (
+        f"docs/recipes.md is out of date with the recipe schema; regenerate it with `{REGENERATE}`"
+    )
 
 
 def test_recipe_reference_documents_every_method_and_field():

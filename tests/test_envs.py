@@ -424,7 +424,12 @@ def test_doctor_probe_in_the_serve_env_follows_vllms_kernels_and_capabilities():
     vLLM's own scheme classes for an A100 (8.0) and an H100/H200 (9.0): W8A8-FP8 only from 8.9, FP8 weight-only below."""
     pkg = envs.PACKAGE_DIR
     r = subprocess.run(
-        [str(envs.python_for("serve")), str(Path(__file__).parent / "helpers" / "doctor_probe.py"), str(pkg / "__init__.py"), str(pkg)],
+        [
+            str(envs.python_for("serve")),
+            str(Path(__file__).parent / "helpers" / "doctor_probe.py"),
+            str(pkg / "__init__.py"),
+            str(pkg),
+        ],
         capture_output=True,
         text=True,
         timeout=900,

@@ -53,8 +53,11 @@ MARK = "QUANTPIPE_FAULT_TEST"  # every process a test run starts inherits it
 
 def write_recipe(path: Path, tiny, cache: Path, out: Path, **over) -> Path:
     d = {
-        "name": "faults", "output_dir": str(out), "cache_dir": str(cache),
-        "base": {"model": str(tiny.llama)}, "adapters": [{"path": str(tiny.llama_lora)}],
+        "name": "faults",
+        "output_dir": str(out),
+        "cache_dir": str(cache),
+        "base": {"model": str(tiny.llama)},
+        "adapters": [{"path": str(tiny.llama_lora)}],
         "artifacts": [{"name": "fp8", "method": "fp8"}],
         "benchmark": {"enabled": False},
     }
@@ -73,8 +76,13 @@ class Run:
         (tmp / "tmp").mkdir(exist_ok=True)
         env = {**os.environ, **(env or {}), MARK: self.mark, "TMPDIR": str(tmp / "tmp")}
         with open(tmp / f"{label}.stdout", "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "quantpipe", "run", str(recipe), *args],
-                                         stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "quantpipe", "run", str(recipe), *args],
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         self.out_dir = Path(yaml.safe_load(recipe.read_text())["output_dir"])
 
     def stderr(self) -> str:
@@ -119,7 +127,9 @@ class Run:
             if v:
                 return v
             if self.proc.poll() is not None:
-                pytest.fail(f"run {self.label} ended (exit {self.proc.returncode}) before {what}:\n{self.stderr()[-3000:]}")
+                pytest.fail(
+                    f"run {self.label} ended (exit {self.proc.returncode}) before {what}:\n{self.stderr()[-3000:]}"
+                )
             time.sleep(every_s)
         pytest.fail(f"run {self.label}: no {what} after {timeout_s:.0f} s:\n{self.stderr()[-3000:]}")
 
@@ -231,7 +241,9 @@ def sha256s(entry: Path) -> dict[str, str]:
 
 
 def verify_package(path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "quantpipe", "verify", str(path)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "verify", str(path)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -360,7 +372,9 @@ def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
     bench = {
         "engine": {"enforce_eager": True, "max_model_len": 128, "kv_cache_memory_bytes": 128 * 2**20},
         "workloads": [{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 2}],
-        "concurrency": [1], "offline": False, "lora": False,
+        "concurrency": [1],
+        "offline": False,
+        "lora": False,
     }
     recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", benchmark=bench)
     a = runs(recipe, label="a-server-up")
@@ -386,7 +400,13 @@ def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
     b = runs(recipe, label="b-resume")
     assert b.wait() == 0, b.stderr()[-3000:]
     rec = b.record()
-    assert states(rec) == {"merge": "hit", "benchmark:baseline": "miss", "quantize:fp8": "hit", "benchmark:fp8": "miss", "package:fp8": "miss"}
+    assert states(rec) == {
+        "merge": "hit",
+        "benchmark:baseline": "miss",
+        "quantize:fp8": "hit",
+        "benchmark:fp8": "miss",
+        "package:fp8": "miss",
+    }
     verify_package(tmp_path / "out" / "packages" / "fp8")
     assert gone(b) == [] and leftovers(cache) == []
 
@@ -420,7 +440,9 @@ def test_two_runs_at_once(tiny, built, tmp_path, runs):
     rec_a, rec_c, rec_d = a.record(), c.record(), d.record()
     # each stage built once: quantize by a (it held the entry when d came), package by whichever got there first
     assert states(rec_a)["quantize:fp8"] == "miss" and states(rec_d)["quantize:fp8"] == "hit"
-    assert sorted([states(rec_a)["package:fp8"], states(rec_d)["package:fp8"]]) == ["hit", "miss"], "a stage was built twice"
+    assert sorted([states(rec_a)["package:fp8"], states(rec_d)["package:fp8"]]) == ["hit", "miss"], (
+        "a stage was built twice"
+    )
     assert not (d.run_dir() / "logs" / "quantize_fp8.log").exists()
     assert set(states(rec_c).values()) == {"hit"} and rec_c["started_at"] >= rec_a["finished_at"]
     verify_package(tmp_path / "out" / "packages" / "fp8")
@@ -453,8 +475,11 @@ def test_corrupted_entries_are_named_and_rebuilt(tiny, built, tmp_path, runs):
     r = runs(recipe, label="corrupt")
     assert r.wait() == 0, r.stderr()[-3000:]
     err = r.stderr()
-    for stage, what in (("merge", "model.safetensors: size"), ("quantize:fp8", "config.json: missing"),
-                        ("package:fp8", f"{weights.name}: content changed")):
+    for stage, what in (
+        ("merge", "model.safetensors: size"),
+        ("quantize:fp8", "config.json: missing"),
+        ("package:fp8", f"{weights.name}: content changed"),
+    ):
         assert any(stage in ln and what in ln and "corrupt" in ln for ln in err.splitlines()), (stage, err)
     assert states(r.record()) == {"merge": "rebuilt", "quantize:fp8": "rebuilt", "package:fp8": "rebuilt"}
     assert_entries_verify(cache)
@@ -476,7 +501,9 @@ def small_fs(tmp_path):
     def mount(size: str) -> Path:
         mnt = tmp_path / f"fs{len(mounted)}"
         mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "quantpipe-test", str(mnt)], capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "quantpipe-test", str(mnt)], capture_output=True, text=True
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
         mounted.append(mnt)
@@ -543,7 +570,11 @@ def test_output_disk_too_small_for_the_package(tiny, built, tmp_path, small_fs, 
     line = next((ln for ln in r.stderr().splitlines() if "publish:fp8" in ln and "FAILED" in ln), "")
     assert str(out / "packages" / "fp8") in line and "No space left" in line and len(line) < 600, r.stderr()[-3000:]
     rec = r.record()
-    assert rec["status"] == "failed" and "package" not in rec["artifacts"]["fp8"] and rec["artifacts"]["fp8"]["package_error"]
+    assert (
+        rec["status"] == "failed"
+        and "package" not in rec["artifacts"]["fp8"]
+        and rec["artifacts"]["fp8"]["package_error"]
+    )
     assert not (out / "packages" / "fp8").exists() and not (out / "packages" / "fp8").is_symlink()
     assert list((out / "packages" / ".store").iterdir()) == [] and list((out / "packages").glob(".fp8.link-*")) == []
     assert set(states(rec).values()) == {"hit"}
@@ -570,7 +601,9 @@ def test_a_killed_stage_is_reported_and_the_others_kept(tiny, built, tmp_path, r
     rec = r.record()
     a = rec["stages"]["quantize:a"]
     assert a["status"] == "failed" and a["error"].startswith("killed by SIGKILL") and QUANTIZING in a["log_tail"]
-    assert any("quantize:a" in ln and "FAILED" in ln and "killed by SIGKILL" in ln for ln in r.stderr().splitlines()), r.stderr()[-3000:]
+    assert any("quantize:a" in ln and "FAILED" in ln and "killed by SIGKILL" in ln for ln in r.stderr().splitlines()), (
+        r.stderr()[-3000:]
+    )
     assert rec["stages"]["package:a"]["status"] == "skipped"
     assert rec["stages"]["quantize:b"]["status"] == "ok" and rec["stages"]["package:b"]["status"] == "ok"
     assert rec["status"] == "failed" and rec.get("report") and rec["artifacts"]["b"]["package"]
@@ -623,7 +656,9 @@ def test_two_stages_at_once_stop_together_and_fail_alone(tiny, built, tmp_path, 
     wb.send_signal(signal.SIGCONT)
     assert k.wait() == 1
     rec = k.record()
-    assert rec["stages"]["quantize:a"]["status"] == "failed" and rec["stages"]["quantize:a"]["error"].startswith("killed by SIGKILL")
+    assert rec["stages"]["quantize:a"]["status"] == "failed" and rec["stages"]["quantize:a"]["error"].startswith(
+        "killed by SIGKILL"
+    )
     assert rec["stages"]["quantize:b"]["status"] == "ok" and rec["stages"]["package:b"]["status"] == "ok"
     a, b = rec["stages"]["quantize:a"], rec["stages"]["quantize:b"]
     assert a["start_s"] < b["end_s"] and b["start_s"] < a["end_s"], "the two quantize stages did not run at once"
@@ -633,7 +668,13 @@ def test_two_stages_at_once_stop_together_and_fail_alone(tiny, built, tmp_path, 
 
     c = runs(recipe, "--jobs", "2", label="complete", env=env)
     assert c.wait() == 0, c.stderr()[-3000:]
-    assert states(c.record()) == {"merge": "hit", "quantize:a": "miss", "package:a": "miss", "quantize:b": "hit", "package:b": "hit"}
+    assert states(c.record()) == {
+        "merge": "hit",
+        "quantize:a": "miss",
+        "package:a": "miss",
+        "quantize:b": "hit",
+        "package:b": "hit",
+    }
     assert gone(c) == []
 
 

@@ -53,7 +53,12 @@ from quantpipe.recipe import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-FUZZ = settings(derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FUZZ = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 def fuzz(n: int):
@@ -61,9 +66,19 @@ def fuzz(n: int):
     return settings(FUZZ, max_examples=n)
 
 
-CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
-          "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 768, "vocab_size": 1024, "tie_word_embeddings": False,
-          "max_position_embeddings": 2048}
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 768,
+    "vocab_size": 1024,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+}
 TASK = "fuzz_task"  # the lm-eval task of the world's include_path
 COMMANDS = [["run"], ["check"], ["run", "--dry-run"]]  # the commands a bad recipe goes through
 
@@ -76,7 +91,11 @@ def _adapter(d: Path, base: str, shapes: dict[str, list[int]]) -> Path:
 
 
 def _lora(layer: int, proj: str, fan_in: int, fan_out: int) -> dict[str, list[int]]:
-    p = f"base_model.model.model.layers.{layer}.self_attn.{proj}" if proj.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else f"base_model.model.model.layers.{layer}.mlp.{proj}"
+    p = (
+        f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+        if proj.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+        else f"base_model.model.model.layers.{layer}.mlp.{proj}"
+    )
     return {f"{p}.lora_A.weight": [8, fan_in], f"{p}.lora_B.weight": [fan_out, 8]}
 
 
@@ -91,11 +110,15 @@ def world(tmp_path_factory) -> Path:
     _adapter(w / "adapter", str(model), {**_lora(0, "q_proj", 256, 256), **_lora(3, "down_proj", 768, 256)})
     other = w / "other-model"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**CONFIG, "model_type": "qwen2", "hidden_size": 512, "architectures": ["Qwen2ForCausalLM"]}))
+    (other / "config.json").write_text(
+        json.dumps({**CONFIG, "model_type": "qwen2", "hidden_size": 512, "architectures": ["Qwen2ForCausalLM"]})
+    )
     _adapter(w / "adapter-other-arch", str(other), _lora(0, "q_proj", 512, 512))
     _adapter(w / "adapter-wrong-shape", "someone/else", _lora(0, "k_proj", 256, 128))  # our k_proj has 2*32 outputs
     _adapter(w / "adapter-extra-layer", "someone/else", _lora(11, "q_proj", 256, 256))
-    _adapter(w / "adapter-odd-base", "b" * 5000, _lora(0, "v_proj", 256, 32))  # base_model_name_or_path no file system takes
+    _adapter(
+        w / "adapter-odd-base", "b" * 5000, _lora(0, "v_proj", 256, 32)
+    )  # base_model_name_or_path no file system takes
     pickle_adapter = w / "adapter-pickle"
     pickle_adapter.mkdir()
     (pickle_adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
@@ -112,7 +135,9 @@ def world(tmp_path_factory) -> Path:
     empty_model.mkdir()
     (empty_model / "config.json").write_text(json.dumps(CONFIG))
     (w / "cal.jsonl").write_text("\n".join(json.dumps({"text": f"calibration sample {i}"}) for i in range(8)) + "\n")
-    (w / "val.jsonl").write_text("\n".join(json.dumps({"prompt": f"2+{i}=", "reference": str(2 + i)}) for i in range(4)) + "\n")
+    (w / "val.jsonl").write_text(
+        "\n".join(json.dumps({"prompt": f"2+{i}=", "reference": str(2 + i)}) for i in range(4)) + "\n"
+    )
     (w / "cal.txt").write_text("just text\n")
     (w / "tasks").mkdir()
     (w / "tasks" / "t.jsonl").write_text(json.dumps({"q": "2+2=", "a": "4"}) + "\n")
@@ -131,15 +156,31 @@ def good(w: Path, d: Path) -> dict:
         "cache_dir": str(d / "cache"),
         "base": {"model": str(w / "model"), "dtype": "bfloat16"},
         "adapters": [{"path": str(w / "adapter"), "weight": 1.0}],
-        "calibration": {"sources": [{"path": str(w / "cal.jsonl"), "weight": 1.0}], "num_samples": 4, "max_seq_len": 64, "seed": 0, "shuffle": True},
-        "artifacts": [{"name": "awq", "method": "awq", "group_size": 128, "n_grid": 5}, {"name": "gptq", "method": "gptq", "bits": 4, "dampening_frac": 0.01},
-                      {"name": "fp8", "method": "fp8", "mode": "dynamic"}, {"name": "int8", "method": "w8a8-int8", "smoothing_strength": 0.8}],
-        "evaluation": {"lm_eval": {"tasks": [TASK], "include_path": str(w / "tasks"), "limit": 4, "batch_size": 2},
-                       "validation": {"path": str(w / "val.jsonl"), "metric": "exact_match", "max_new_tokens": 8, "stop": ["\n"]},
-                       "gates": {"min_recovery": 0.9, "max_kl": 0.05, "min_top1_agreement": 0.5}, "bootstrap_samples": 200},
-        "benchmark": {"engine": {"max_model_len": 512, "max_num_seqs": 4, "kv_cache_memory_bytes": 1 << 28},
-                      "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
-                      "concurrency": [1, 2], "slo": {"ttft_p99_ms": 1000.0}},
+        "calibration": {
+            "sources": [{"path": str(w / "cal.jsonl"), "weight": 1.0}],
+            "num_samples": 4,
+            "max_seq_len": 64,
+            "seed": 0,
+            "shuffle": True,
+        },
+        "artifacts": [
+            {"name": "awq", "method": "awq", "group_size": 128, "n_grid": 5},
+            {"name": "gptq", "method": "gptq", "bits": 4, "dampening_frac": 0.01},
+            {"name": "fp8", "method": "fp8", "mode": "dynamic"},
+            {"name": "int8", "method": "w8a8-int8", "smoothing_strength": 0.8},
+        ],
+        "evaluation": {
+            "lm_eval": {"tasks": [TASK], "include_path": str(w / "tasks"), "limit": 4, "batch_size": 2},
+            "validation": {"path": str(w / "val.jsonl"), "metric": "exact_match", "max_new_tokens": 8, "stop": ["\n"]},
+            "gates": {"min_recovery": 0.9, "max_kl": 0.05, "min_top1_agreement": 0.5},
+            "bootstrap_samples": 200,
+        },
+        "benchmark": {
+            "engine": {"max_model_len": 512, "max_num_seqs": 4, "kv_cache_memory_bytes": 1 << 28},
+            "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+            "concurrency": [1, 2],
+            "slo": {"ttft_p99_ms": 1000.0},
+        },
         "package": {"max_shard_size": "2GB"},
     }
 
@@ -186,8 +227,12 @@ def test_the_good_recipe_is_good(world):
 
 LETTERS = st.text(alphabet="abcdefghijklmnopqrstuvwxyzQZ_ -", min_size=1, max_size=12)
 BOOL_WORDS = {"0", "1", "true", "false", "yes", "no", "on", "off", "t", "f", "y", "n"}
-NOT_NUMBER = LETTERS.filter(lambda s: not re.fullmatch(r"\s*[-+]?(\d|_)*\.?\d*([eE][-+]?\d+)?\s*|\s*(inf|nan|infinity)\s*", s, re.I))
-CONTAINERS = st.one_of(st.lists(st.integers(), min_size=1, max_size=3), st.dictionaries(LETTERS, st.integers(), min_size=1, max_size=2))
+NOT_NUMBER = LETTERS.filter(
+    lambda s: not re.fullmatch(r"\s*[-+]?(\d|_)*\.?\d*([eE][-+]?\d+)?\s*|\s*(inf|nan|infinity)\s*", s, re.I)
+)
+CONTAINERS = st.one_of(
+    st.lists(st.integers(), min_size=1, max_size=3), st.dictionaries(LETTERS, st.integers(), min_size=1, max_size=2)
+)
 
 
 def bad_int(lo: int | None = None, hi: int | None = None):
@@ -209,7 +254,11 @@ def bad_float(lo=None, hi=None, lo_open=False, hi_open=False):
     return st.one_of(options)
 
 
-BAD_BOOL = st.one_of(st.integers().filter(lambda i: i not in (0, 1)), LETTERS.filter(lambda s: s.strip().lower() not in BOOL_WORDS), CONTAINERS)
+BAD_BOOL = st.one_of(
+    st.integers().filter(lambda i: i not in (0, 1)),
+    LETTERS.filter(lambda s: s.strip().lower() not in BOOL_WORDS),
+    CONTAINERS,
+)
 BAD_STR = st.one_of(st.integers(), st.floats(allow_nan=False), st.booleans(), CONTAINERS)
 BAD_LIST = st.one_of(st.integers(), LETTERS, st.dictionaries(LETTERS, st.integers(), min_size=1, max_size=2))
 BAD_NONEMPTY_LIST = st.one_of(BAD_LIST, st.just([]))
@@ -217,51 +266,120 @@ BAD_NAME = st.one_of(BAD_STR, st.text(max_size=80).filter(lambda s: not re.fullm
 
 
 def bad_literal(*choices):
-    return st.one_of(st.text(max_size=12), st.integers(), CONTAINERS).filter(lambda v: v not in choices and str(v) not in map(str, choices))
+    return st.one_of(st.text(max_size=12), st.integers(), CONTAINERS).filter(
+        lambda v: v not in choices and str(v) not in map(str, choices)
+    )
 
 
 GROUPS = (32, 64, 128, 256)
 FIELDS = {
-    "name": BAD_NAME, "output_dir": BAD_STR, "cache_dir": BAD_STR,
-    "base": st.one_of(BAD_STR, st.just([])), "base.model": BAD_STR,
-    "base.dtype": bad_literal("bfloat16", "float16", "float32"), "base.trust_remote_code": BAD_BOOL, "base.allow_pickle": BAD_BOOL, "base.revision": BAD_STR,
-    "adapters": BAD_LIST, "adapters.0": st.one_of(st.integers(), LETTERS), "adapters.0.path": BAD_STR,
+    "name": BAD_NAME,
+    "output_dir": BAD_STR,
+    "cache_dir": BAD_STR,
+    "base": st.one_of(BAD_STR, st.just([])),
+    "base.model": BAD_STR,
+    "base.dtype": bad_literal("bfloat16", "float16", "float32"),
+    "base.trust_remote_code": BAD_BOOL,
+    "base.allow_pickle": BAD_BOOL,
+    "base.revision": BAD_STR,
+    "adapters": BAD_LIST,
+    "adapters.0": st.one_of(st.integers(), LETTERS),
+    "adapters.0.path": BAD_STR,
     "adapters.0.weight": bad_float(0, 10, lo_open=True),
-    "calibration.sources": BAD_NONEMPTY_LIST, "calibration.sources.0.path": BAD_STR, "calibration.sources.0.weight": bad_float(0, lo_open=True),
-    "calibration.num_samples": bad_int(1, 100_000), "calibration.max_seq_len": bad_int(8, 131_072), "calibration.seed": bad_int(),
-    "calibration.shuffle": BAD_BOOL, "calibration.chat_template": bad_literal("auto", "always", "never"),
-    "artifacts": BAD_NONEMPTY_LIST, "artifacts.0": st.one_of(st.integers(), LETTERS), "artifacts.0.name": BAD_NAME,
+    "calibration.sources": BAD_NONEMPTY_LIST,
+    "calibration.sources.0.path": BAD_STR,
+    "calibration.sources.0.weight": bad_float(0, lo_open=True),
+    "calibration.num_samples": bad_int(1, 100_000),
+    "calibration.max_seq_len": bad_int(8, 131_072),
+    "calibration.seed": bad_int(),
+    "calibration.shuffle": BAD_BOOL,
+    "calibration.chat_template": bad_literal("auto", "always", "never"),
+    "artifacts": BAD_NONEMPTY_LIST,
+    "artifacts.0": st.one_of(st.integers(), LETTERS),
+    "artifacts.0.name": BAD_NAME,
     "artifacts.0.method": bad_literal("awq", "gptq", "fp8", "w8a8-int8", "rtn"),
-    "artifacts.0.group_size": bad_int().filter(lambda v: v not in GROUPS) | st.integers().filter(lambda v: v not in GROUPS),
-    "artifacts.0.n_grid": bad_int(1, 100), "artifacts.0.symmetric": BAD_BOOL, "artifacts.0.ignore": BAD_LIST, "artifacts.0.targets": BAD_LIST,
+    "artifacts.0.group_size": bad_int().filter(lambda v: v not in GROUPS)
+    | st.integers().filter(lambda v: v not in GROUPS),
+    "artifacts.0.n_grid": bad_int(1, 100),
+    "artifacts.0.symmetric": BAD_BOOL,
+    "artifacts.0.ignore": BAD_LIST,
+    "artifacts.0.targets": BAD_LIST,
     "artifacts.0.pipeline": bad_literal("independent", "sequential", "basic", "datafree"),
-    "artifacts.1.bits": bad_literal(4, 8), "artifacts.1.group_size": st.integers().filter(lambda v: v not in GROUPS),
-    "artifacts.1.dampening_frac": bad_float(0, 1, lo_open=True, hi_open=True), "artifacts.1.block_size": bad_int(1),
-    "artifacts.1.actorder": bad_literal("static", "group", "weight"), "artifacts.1.backend": bad_literal("llm-compressor", "gptqmodel"),
-    "artifacts.2.mode": bad_literal("dynamic", "static", "block"), "artifacts.3.smoothing_strength": bad_float(0, 1),
-    "evaluation.lm_eval.tasks": BAD_NONEMPTY_LIST, "evaluation.lm_eval.limit": bad_int(1), "evaluation.lm_eval.batch_size": bad_int(1),
-    "evaluation.lm_eval.num_fewshot": bad_int(0, 64), "evaluation.lm_eval.backend": bad_literal("auto", "hf", "vllm"),
+    "artifacts.1.bits": bad_literal(4, 8),
+    "artifacts.1.group_size": st.integers().filter(lambda v: v not in GROUPS),
+    "artifacts.1.dampening_frac": bad_float(0, 1, lo_open=True, hi_open=True),
+    "artifacts.1.block_size": bad_int(1),
+    "artifacts.1.actorder": bad_literal("static", "group", "weight"),
+    "artifacts.1.backend": bad_literal("llm-compressor", "gptqmodel"),
+    "artifacts.2.mode": bad_literal("dynamic", "static", "block"),
+    "artifacts.3.smoothing_strength": bad_float(0, 1),
+    "evaluation.lm_eval.tasks": BAD_NONEMPTY_LIST,
+    "evaluation.lm_eval.limit": bad_int(1),
+    "evaluation.lm_eval.batch_size": bad_int(1),
+    "evaluation.lm_eval.num_fewshot": bad_int(0, 64),
+    "evaluation.lm_eval.backend": bad_literal("auto", "hf", "vllm"),
     "evaluation.validation.metric": bad_literal("exact_match", "contains", "regex", "json_valid"),
-    "evaluation.validation.max_new_tokens": bad_int(1, 4096), "evaluation.validation.stop": BAD_LIST,
-    "evaluation.gates.min_recovery": bad_float(0, 2, lo_open=True), "evaluation.gates.max_kl": bad_float(0),
-    "evaluation.gates.min_top1_agreement": bad_float(0, 1), "evaluation.bootstrap_samples": bad_int(100, 100_000),
-    "benchmark.enabled": BAD_BOOL, "benchmark.concurrency": st.one_of(BAD_NONEMPTY_LIST, st.lists(st.integers(max_value=0), min_size=1, max_size=3)),
-    "benchmark.engine.max_model_len": bad_int(16), "benchmark.engine.max_num_seqs": bad_int(1),
+    "evaluation.validation.max_new_tokens": bad_int(1, 4096),
+    "evaluation.validation.stop": BAD_LIST,
+    "evaluation.gates.min_recovery": bad_float(0, 2, lo_open=True),
+    "evaluation.gates.max_kl": bad_float(0),
+    "evaluation.gates.min_top1_agreement": bad_float(0, 1),
+    "evaluation.bootstrap_samples": bad_int(100, 100_000),
+    "benchmark.enabled": BAD_BOOL,
+    "benchmark.concurrency": st.one_of(BAD_NONEMPTY_LIST, st.lists(st.integers(max_value=0), min_size=1, max_size=3)),
+    "benchmark.engine.max_model_len": bad_int(16),
+    "benchmark.engine.max_num_seqs": bad_int(1),
     "benchmark.engine.gpu_memory_utilization": bad_float(0, 1, lo_open=True),
-    "benchmark.engine.kv_cache_memory_bytes": bad_int(1 << 20), "benchmark.engine.tensor_parallel_size": bad_int(1),
+    "benchmark.engine.kv_cache_memory_bytes": bad_int(1 << 20),
+    "benchmark.engine.tensor_parallel_size": bad_int(1),
     "benchmark.engine.kv_cache_dtype": bad_literal("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
-    "benchmark.engine.extra_args": st.one_of(BAD_LIST, st.sampled_from([["--quantization", "awq"], ["-q=fp8"], ["--host", "0.0.0.0"], ["--host=0.0.0.0"]])),
-    "benchmark.workloads": BAD_LIST, "benchmark.workloads.0.input_len": bad_int(1), "benchmark.workloads.0.output_len": bad_int(1),
-    "benchmark.workloads.0.num_prompts": bad_int(1, 100_000), "benchmark.workloads.0.kind": bad_literal("fixed", "validation", "shared_prefix"),
-    "benchmark.slo.ttft_p99_ms": bad_float(0, lo_open=True), "package.enabled": BAD_BOOL,
-    "package.max_shard_size": st.one_of(BAD_STR, LETTERS.filter(lambda s: not re.fullmatch(r"\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)", s))),
+    "benchmark.engine.extra_args": st.one_of(
+        BAD_LIST, st.sampled_from([["--quantization", "awq"], ["-q=fp8"], ["--host", "0.0.0.0"], ["--host=0.0.0.0"]])
+    ),
+    "benchmark.workloads": BAD_LIST,
+    "benchmark.workloads.0.input_len": bad_int(1),
+    "benchmark.workloads.0.output_len": bad_int(1),
+    "benchmark.workloads.0.num_prompts": bad_int(1, 100_000),
+    "benchmark.workloads.0.kind": bad_literal("fixed", "validation", "shared_prefix"),
+    "benchmark.slo.ttft_p99_ms": bad_float(0, lo_open=True),
+    "package.enabled": BAD_BOOL,
+    "package.max_shard_size": st.one_of(
+        BAD_STR, LETTERS.filter(lambda s: not re.fullmatch(r"\d+(\.\d+)?\s*(B|KB|MB|GB|KiB|MiB|GiB)", s))
+    ),
 }
-REQUIRED = ["name", "output_dir", "base", "base.model", "artifacts", "calibration.sources", "adapters.0.path", "artifacts.0.method",
-            "artifacts.1.name", "evaluation.validation.path", "evaluation.lm_eval.tasks", "benchmark.workloads.0.name"]
-MODELS = {"": Recipe, "base": Base, "adapters.0": Adapter, "calibration": Calibration, "calibration.sources.0": CalibrationSource,
-          "artifacts.0": AWQ, "artifacts.1": GPTQ, "artifacts.2": FP8, "artifacts.3": W8A8Int8, "evaluation": Evaluation,
-          "evaluation.lm_eval": LmEval, "evaluation.validation": Validation, "evaluation.gates": Gates, "benchmark": Benchmark,
-          "benchmark.engine": Engine, "benchmark.workloads.0": Workload, "package": Package}
+REQUIRED = [
+    "name",
+    "output_dir",
+    "base",
+    "base.model",
+    "artifacts",
+    "calibration.sources",
+    "adapters.0.path",
+    "artifacts.0.method",
+    "artifacts.1.name",
+    "evaluation.validation.path",
+    "evaluation.lm_eval.tasks",
+    "benchmark.workloads.0.name",
+]
+MODELS = {
+    "": Recipe,
+    "base": Base,
+    "adapters.0": Adapter,
+    "calibration": Calibration,
+    "calibration.sources.0": CalibrationSource,
+    "artifacts.0": AWQ,
+    "artifacts.1": GPTQ,
+    "artifacts.2": FP8,
+    "artifacts.3": W8A8Int8,
+    "evaluation": Evaluation,
+    "evaluation.lm_eval": LmEval,
+    "evaluation.validation": Validation,
+    "evaluation.gates": Gates,
+    "benchmark": Benchmark,
+    "benchmark.engine": Engine,
+    "benchmark.workloads.0": Workload,
+    "package": Package,
+}
 
 
 def _parent(d, path: str):
@@ -300,10 +418,14 @@ def mutation(draw):
         return kind, path, lambda d: set_path(d, path, value)
     if kind == "unknown key":
         where = draw(st.sampled_from(sorted(MODELS)))
-        key = draw(st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=16).filter(lambda k: k not in MODELS[where].model_fields))
+        key = draw(
+            st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=16).filter(
+                lambda k: k not in MODELS[where].model_fields
+            )
+        )
         value = draw(st.one_of(st.integers(), LETTERS, st.booleans()))
         path = f"{where}.{key}" if where else key
-        return kind, path, lambda d: (set_path(d, path, value) if where else d.__setitem__(key, value) or True)
+        return kind, path, lambda d: set_path(d, path, value) if where else d.__setitem__(key, value) or True
     path = draw(st.sampled_from(REQUIRED))
     return kind, path, lambda d: del_path(d, path)
 
@@ -331,20 +453,45 @@ def test_mutated_recipes_are_refused(world, muts, command):
 
 PATH_CASES = {
     "base.model": ["missing", "dangling", "loop-a", "cal.jsonl", "adapter", "pickle-model", "empty-model"],
-    "adapters.0.path": ["missing", "dangling", "loop-a", "cal.jsonl", "model", "adapter-pickle", "adapter-bad-config",
-                        "adapter-other-arch", "adapter-wrong-shape", "adapter-extra-layer", "adapter-odd-base"],
+    "adapters.0.path": [
+        "missing",
+        "dangling",
+        "loop-a",
+        "cal.jsonl",
+        "model",
+        "adapter-pickle",
+        "adapter-bad-config",
+        "adapter-other-arch",
+        "adapter-wrong-shape",
+        "adapter-extra-layer",
+        "adapter-odd-base",
+    ],
     "calibration.sources.0.path": ["missing.jsonl", "dangling", "loop-a", "a-dir.jsonl", "cal.txt", "model"],
     "evaluation.validation.path": ["missing.jsonl", "dangling", "loop-a", "a-dir.jsonl", "tasks"],
     "evaluation.lm_eval.include_path": ["missing", "dangling", "cal.jsonl"],
     "evaluation.validation.json_schema": ["missing.json", "tasks"],
 }
-PATH_NEEDLE = {"adapter-other-arch": "another architecture", "adapter-wrong-shape": "does not fit base.model", "adapter-extra-layer": "layers",
-               "adapter-pickle": "pickle", "pickle-model": "pickle", "adapter-bad-config": "not valid JSON"}
+PATH_NEEDLE = {
+    "adapter-other-arch": "another architecture",
+    "adapter-wrong-shape": "does not fit base.model",
+    "adapter-extra-layer": "layers",
+    "adapter-pickle": "pickle",
+    "pickle-model": "pickle",
+    "adapter-bad-config": "not valid JSON",
+}
 
 
 @fuzz(40)
-@given(cases=st.lists(st.sampled_from([(f, v) for f, vs in sorted(PATH_CASES.items()) for v in vs]), min_size=1, max_size=2, unique_by=lambda c: c[0]),
-       relative=st.booleans(), command=st.sampled_from(COMMANDS))
+@given(
+    cases=st.lists(
+        st.sampled_from([(f, v) for f, vs in sorted(PATH_CASES.items()) for v in vs]),
+        min_size=1,
+        max_size=2,
+        unique_by=lambda c: c[0],
+    ),
+    relative=st.booleans(),
+    command=st.sampled_from(COMMANDS),
+)
 def test_bad_paths_are_refused(world, cases, relative, command):
     d = fresh(world)
     data = good(world, d)
@@ -370,8 +517,19 @@ PATH_TEXT = st.one_of(
 
 
 @fuzz(30)
-@given(field=st.sampled_from(["base.model", "adapters.0.path", "calibration.sources.0.path", "evaluation.validation.path", "evaluation.validation.json_schema"]),
-       text=PATH_TEXT, command=st.sampled_from(COMMANDS))
+@given(
+    field=st.sampled_from(
+        [
+            "base.model",
+            "adapters.0.path",
+            "calibration.sources.0.path",
+            "evaluation.validation.path",
+            "evaluation.validation.json_schema",
+        ]
+    ),
+    text=PATH_TEXT,
+    command=st.sampled_from(COMMANDS),
+)
 def test_odd_path_strings_are_refused(world, field, text, command):
     """Any string where a path goes: a NUL byte, ~nobody, names too long, a symlink loop never escape as a traceback."""
     d = fresh(world)
@@ -383,6 +541,7 @@ def test_odd_path_strings_are_refused(world, field, text, command):
 
 # --- calibration and validation files with bad rows: file and line named -----------------------------
 
+
 def _valid_cal_row(line: str) -> bool:
     try:
         r = json.loads(line)
@@ -392,8 +551,14 @@ def _valid_cal_row(line: str) -> bool:
         return False
     if "messages" in r:
         m = r["messages"]
-        return isinstance(m, list) and bool(m) and all(isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str) for x in m) \
+        return (
+            isinstance(m, list)
+            and bool(m)
+            and all(
+                isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str) for x in m
+            )
             and any(x["content"].strip() for x in m)
+        )
     return isinstance(r.get("text"), str) and bool(r["text"].strip())
 
 
@@ -409,7 +574,14 @@ def _valid_val_row(line: str) -> bool:
         return False
     if "prompt" in r and not (isinstance(r["prompt"], str) and r["prompt"]):
         return False
-    if "messages" in r and not (isinstance(r["messages"], list) and r["messages"] and all(isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str) for x in r["messages"])):
+    if "messages" in r and not (
+        isinstance(r["messages"], list)
+        and r["messages"]
+        and all(
+            isinstance(x, dict) and isinstance(x.get("role"), str) and isinstance(x.get("content"), str)
+            for x in r["messages"]
+        )
+    ):
         return False
     ref = r.get("reference")
     if metric != "json_valid" or ref is not None:
@@ -423,12 +595,17 @@ def _valid_val_row(line: str) -> bool:
     return True
 
 
-JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=6)), lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=6)
+JSONISH = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=6)),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=6,
+)
 ROW_KEYS = st.sampled_from(["text", "messages", "prompt", "reference", "metric", "role", "content", "x"])
 ROW_OBJECTS = st.dictionaries(ROW_KEYS, JSONISH, max_size=4).map(json.dumps)
 BAD_LINE = st.one_of(
     st.text(alphabet=st.characters(blacklist_characters="\n", blacklist_categories=("Cs",)), min_size=1, max_size=40),
-    ROW_OBJECTS, JSONISH.map(json.dumps),
+    ROW_OBJECTS,
+    JSONISH.map(json.dumps),
     st.text(max_size=10).map(lambda s: '{"text": ' + json.dumps(s)),  # truncated JSON
     st.binary(min_size=1, max_size=8).map(lambda b: b"\xff\xfe" + b.replace(b"\n", b"")),  # not UTF-8
 )
@@ -469,7 +646,10 @@ def test_bad_validation_rows_name_file_and_line(world, n_good, k, bad, command):
 
 
 @fuzz(15)
-@given(kind=st.sampled_from(["cal.jsonl", "val.jsonl", "cal.json", "cal.parquet"]), content=st.sampled_from(["", "\n", "  \n\n \t\n", "[]", "{}", "garbage"]))
+@given(
+    kind=st.sampled_from(["cal.jsonl", "val.jsonl", "cal.json", "cal.parquet"]),
+    content=st.sampled_from(["", "\n", "  \n\n \t\n", "[]", "{}", "garbage"]),
+)
 def test_empty_or_garbage_data_files_are_refused(world, kind, content):
     d = fresh(world)
     f = d / kind
@@ -485,10 +665,11 @@ def test_empty_or_garbage_data_files_are_refused(world, kind, content):
 
 # --- not a recipe at all: bombs, deep nesting, binary, not a mapping, too big ---------------------------
 
+
 @st.composite
 def alias_bomb(draw):
     width = draw(st.integers(3, 10))
-    depth = next(n for n in range(2, 20) if width ** n > 100_000) + draw(st.integers(0, 2))
+    depth = next(n for n in range(2, 20) if width**n > 100_000) + draw(st.integers(0, 2))
     lines = ["a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
     lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, depth)]
     if draw(st.booleans()):  # inside an otherwise plausible recipe
@@ -504,7 +685,18 @@ NOT_YAML = st.one_of(
     st.text(max_size=200).filter(lambda s: not s.lstrip().startswith(("{", "name"))),
     st.one_of(st.integers(), st.lists(st.integers(), max_size=3), st.text(max_size=10)).map(yaml.safe_dump),
     st.just("a: " + "x" * (1 << 20) + "\n"),
-    st.sampled_from(["\x00\x01\x02", "key: [unclosed", "{a: 1", "a: b: c", "- a\nb: c", "\t- tab", "%YAML 9.9\n---\na: 1", "? [a, b]\n: c\n"]),
+    st.sampled_from(
+        [
+            "\x00\x01\x02",
+            "key: [unclosed",
+            "{a: 1",
+            "a: b: c",
+            "- a\nb: c",
+            "\t- tab",
+            "%YAML 9.9\n---\na: 1",
+            "? [a, b]\n: c\n",
+        ]
+    ),
 )
 
 
@@ -524,7 +716,11 @@ KEY_LINE = re.compile(r"^(\s*)(- )?([A-Za-z_][\w]*):(.*)$")
 
 
 @fuzz(30)
-@given(pick=st.integers(0, 10_000), value=st.one_of(st.just(None), st.integers(0, 99), LETTERS), command=st.sampled_from(COMMANDS))
+@given(
+    pick=st.integers(0, 10_000),
+    value=st.one_of(st.just(None), st.integers(0, 99), LETTERS),
+    command=st.sampled_from(COMMANDS),
+)
 def test_keys_written_twice_are_refused_with_both_lines(world, pick, value, command):
     d = fresh(world)
     lines = yaml.safe_dump(good(world, d), sort_keys=False).splitlines()
@@ -555,21 +751,37 @@ def _tree(*paths: Path) -> dict:
 
 
 @fuzz(40)
-@given(field=st.sampled_from(["output_dir", "cache_dir"]), where=st.sampled_from(sorted(INPUT_DIRS)),
-       how=st.sampled_from(["inside", "equal", "contains", "file", "under a file"]), sub=st.lists(LETTERS.map(lambda t: t.replace(" ", "_")), max_size=3),
-       relative=st.booleans(), command=st.sampled_from(COMMANDS))
+@given(
+    field=st.sampled_from(["output_dir", "cache_dir"]),
+    where=st.sampled_from(sorted(INPUT_DIRS)),
+    how=st.sampled_from(["inside", "equal", "contains", "file", "under a file"]),
+    sub=st.lists(LETTERS.map(lambda t: t.replace(" ", "_")), max_size=3),
+    relative=st.booleans(),
+    command=st.sampled_from(COMMANDS),
+)
 def test_nested_or_file_outputs_are_refused(world, field, where, how, sub, relative, command):
-    assume(not (how == "contains" and field == "cache_dir"))  # the cache root may hold inputs (environments, tiny models): only its entries are ours
+    assume(
+        not (how == "contains" and field == "cache_dir")
+    )  # the cache root may hold inputs (environments, tiny models): only its entries are ours
     d = fresh(world)
     data = good(world, d)
-    target = {"inside": world / INPUT_DIRS[where] / Path(*(sub or ["out"])), "equal": world / INPUT_DIRS[where], "contains": world,
-              "file": world / INPUT_FILES[len(sub) % len(INPUT_FILES)],
-              "under a file": world / INPUT_FILES[len(sub) % len(INPUT_FILES)] / Path(*(sub or ["out"]))}[how]
+    target = {
+        "inside": world / INPUT_DIRS[where] / Path(*(sub or ["out"])),
+        "equal": world / INPUT_DIRS[where],
+        "contains": world,
+        "file": world / INPUT_FILES[len(sub) % len(INPUT_FILES)],
+        "under a file": world / INPUT_FILES[len(sub) % len(INPUT_FILES)] / Path(*(sub or ["out"])),
+    }[how]
     data[field] = os.path.relpath(target, d) if relative else str(target)
     before = _tree(*(world / v for v in INPUT_DIRS.values()))
     res = invoke([*command, str(write_recipe(d, data))], d)
-    needle = {"inside": ["inside", where], "equal": ["the same folder as", where], "contains": ["contains"], "file": ["is a file"],
-              "under a file": ["cannot be created there"]}[how]
+    needle = {
+        "inside": ["inside", where],
+        "equal": ["the same folder as", where],
+        "contains": ["contains"],
+        "file": ["is a file"],
+        "under a file": ["cannot be created there"],
+    }[how]
     assert_refused(res, d, [field if how != "contains" else "output_dir", *needle])
     assert _tree(*(world / v for v in INPUT_DIRS.values())) == before
 
@@ -578,16 +790,27 @@ def test_nested_or_file_outputs_are_refused(world, field, where, how, sub, relat
 
 
 @fuzz(40)
-@given(case=st.sampled_from(["engine", "variant", "model context", "max_model_len beyond the context"]), shared=st.booleans(),
-       lens=st.tuples(st.integers(1, 3000), st.integers(1, 3000), st.integers(1, 3000)), mml=st.integers(16, 39), big=st.integers(2049, 10**6),
-       command=st.sampled_from(COMMANDS))
+@given(
+    case=st.sampled_from(["engine", "variant", "model context", "max_model_len beyond the context"]),
+    shared=st.booleans(),
+    lens=st.tuples(st.integers(1, 3000), st.integers(1, 3000), st.integers(1, 3000)),
+    mml=st.integers(16, 39),
+    big=st.integers(2049, 10**6),
+    command=st.sampled_from(COMMANDS),
+)
 def test_impossible_workloads_are_refused(world, case, shared, lens, mml, big, command):
     d = fresh(world)
     data = good(world, d)
     b = data["benchmark"]
     prefix, inp, out = lens
-    w = {"name": "w", "kind": "shared_prefix" if shared else "fixed", "input_len": inp, "output_len": out, "num_prompts": 2,
-         **({"prefix_len": prefix} if shared else {})}
+    w = {
+        "name": "w",
+        "kind": "shared_prefix" if shared else "fixed",
+        "input_len": inp,
+        "output_len": out,
+        "num_prompts": 2,
+        **({"prefix_len": prefix} if shared else {}),
+    }
     need = (prefix if shared else 0) + inp + out
     if case == "engine":
         assume(need > 512)
@@ -595,12 +818,20 @@ def test_impossible_workloads_are_refused(world, case, shared, lens, mml, big, c
         needles = ["benchmark.workloads.0 ('w')", f"needs {need} tokens"]
     elif case == "variant":
         b["variants"] = [{"name": "tight", "engine": {"max_model_len": mml}}]
-        needles = ["benchmark.workloads.0", f"benchmark.variants.0.engine.max_model_len is {mml} (variant 'tight')", "at least 40"]
+        needles = [
+            "benchmark.workloads.0",
+            f"benchmark.variants.0.engine.max_model_len is {mml} (variant 'tight')",
+            "at least 40",
+        ]
     elif case == "model context":
         assume(need > 2048)
         del b["engine"]["max_model_len"]
         b["workloads"] = [w]
-        needles = ["benchmark.workloads.0", f"needs {need} tokens", "more than the model's context (max_position_embeddings 2048"]
+        needles = [
+            "benchmark.workloads.0",
+            f"needs {need} tokens",
+            "more than the model's context (max_position_embeddings 2048",
+        ]
     else:
         b["engine"]["max_model_len"] = big
         needles = [f"benchmark.engine.max_model_len: {big} is longer than the model's context", "at most 2048"]
@@ -617,34 +848,55 @@ def typo(draw):
     i = draw(st.integers(0, len(TASK) - 1))
     c = draw(st.sampled_from("abcdefghijklmnopqrstuvwxyz_"))
     edit = draw(st.sampled_from(["delete", "insert", "swap", "replace"]))
-    t = {"delete": TASK[:i] + TASK[i + 1:], "insert": TASK[:i] + c + TASK[i:], "replace": TASK[:i] + c + TASK[i + 1:],
-         "swap": TASK[:i] + TASK[i + 1:i + 2] + TASK[i:i + 1] + TASK[i + 2:]}[edit]
+    t = {
+        "delete": TASK[:i] + TASK[i + 1 :],
+        "insert": TASK[:i] + c + TASK[i:],
+        "replace": TASK[:i] + c + TASK[i + 1 :],
+        "swap": TASK[:i] + TASK[i + 1 : i + 2] + TASK[i : i + 1] + TASK[i + 2 :],
+    }[edit]
     return t
 
 
 @fuzz(15)
-@given(name=st.one_of(typo(), st.text(alphabet="qxz_0123456789", min_size=4, max_size=12).map(lambda t: "zz" + t)), command=st.sampled_from(COMMANDS))
+@given(
+    name=st.one_of(typo(), st.text(alphabet="qxz_0123456789", min_size=4, max_size=12).map(lambda t: "zz" + t)),
+    command=st.sampled_from(COMMANDS),
+)
 def test_unknown_task_names_are_refused(world, name, command):
     assume(name != TASK)
     d = fresh(world)
     data = good(world, d)
     data["evaluation"]["lm_eval"]["tasks"] = [name]
     res = invoke([*command, str(write_recipe(d, data))], d)
-    assert_refused(res, d, ["evaluation.lm_eval.tasks", f"unknown task {name!r}"] + ([f"did you mean {TASK!r}"] if not name.startswith("zz") else []))
+    assert_refused(
+        res,
+        d,
+        ["evaluation.lm_eval.tasks", f"unknown task {name!r}"]
+        + ([f"did you mean {TASK!r}"] if not name.startswith("zz") else []),
+    )
 
 
 # --- group sizes on models of other widths ----------------------------------------------------------
 
 
 @fuzz(40)
-@given(heads=st.integers(1, 24), inter=st.integers(1, 96), method=st.sampled_from(["awq", "gptq", "rtn"]), g=st.sampled_from(GROUPS))
+@given(
+    heads=st.integers(1, 24),
+    inter=st.integers(1, 96),
+    method=st.sampled_from(["awq", "gptq", "rtn"]),
+    g=st.sampled_from(GROUPS),
+)
 def test_group_sizes_that_do_not_divide_the_layers_are_refused(world, heads, inter, method, g):
     """A Llama-shaped model of hidden 32*heads and intermediate 32*inter: refused exactly when g misses a width, naming it and the sizes that fit."""
     d = fresh(world)
     h, i = 32 * heads, 32 * inter
     m = d / "model"
     m.mkdir()
-    (m / "config.json").write_text(json.dumps({**CONFIG, "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": 1, "intermediate_size": i}))
+    (m / "config.json").write_text(
+        json.dumps(
+            {**CONFIG, "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": 1, "intermediate_size": i}
+        )
+    )
     safetensors(m / "model.safetensors", {"model.embed_tokens.weight": [8, h]})
     data = good(world, d)
     data["base"]["model"], data["adapters"] = str(m), []
@@ -655,12 +907,20 @@ def test_group_sizes_that_do_not_divide_the_layers_are_refused(world, heads, int
         assert res.exit_code == 0, res.output
         return
     fits = [s for s in GROUPS if h % s == 0 and i % s == 0]
-    assert_refused(res, d, [f"artifacts.0.group_size: {g} does not divide", *(f"{w} (the input of" for w in odd),
-                            f"use group_size {' or '.join(map(str, fits))}" if fits else "no group size the schema takes"])
+    assert_refused(
+        res,
+        d,
+        [
+            f"artifacts.0.group_size: {g} does not divide",
+            *(f"{w} (the input of" for w in odd),
+            f"use group_size {' or '.join(map(str, fits))}" if fits else "no group size the schema takes",
+        ],
+    )
     assert ("group_size: null" in res.output) == (method == "gptq")
 
 
 # --- bad arguments ---------------------------------------------------------------------------
+
 
 def _bad_argument(flag: str, value: str) -> bool:
     names = {v.strip() for v in value.split(",") if v.strip()}
@@ -670,13 +930,22 @@ def _bad_argument(flag: str, value: str) -> bool:
     if flag == "--stages":
         return not names <= kinds
     if flag == "--force":  # a kind, kind:artifact (or kind:baseline), or all
-        return any(n != "all" and (n.split(":")[0] not in kinds or (":" in n and n.split(":", 1)[1] not in {"awq", "gptq", "fp8", "int8", "baseline"}))
-                   for n in names)
+        return any(
+            n != "all"
+            and (
+                n.split(":")[0] not in kinds
+                or (":" in n and n.split(":", 1)[1] not in {"awq", "gptq", "fp8", "int8", "baseline"})
+            )
+            for n in names
+        )
     return not names <= {"awq", "gptq", "fp8", "int8"}
 
 
 @fuzz(20)
-@given(flag=st.sampled_from(["--stages", "--force", "--artifacts"]), value=st.text(alphabet="abcdefghijklmnopqrstuvwxyz:,", min_size=1, max_size=20))
+@given(
+    flag=st.sampled_from(["--stages", "--force", "--artifacts"]),
+    value=st.text(alphabet="abcdefghijklmnopqrstuvwxyz:,", min_size=1, max_size=20),
+)
 def test_bad_arguments_are_refused(world, flag, value):
     assume(_bad_argument(flag, value))
     d = fresh(world)
@@ -685,6 +954,7 @@ def test_bad_arguments_are_refused(world, flag, value):
 
 
 # --- the same through a real process ----------------------------------------------------------------
+
 
 def test_bad_input_in_a_subprocess(world):
     """`python -m quantpipe` as a user runs it: exit 2, the message on stderr, no traceback, nothing written."""
@@ -703,8 +973,14 @@ def test_bad_input_in_a_subprocess(world):
     cases.append((d, []))  # a directory, not a recipe file
     for path, needles in cases:
         case_dir = path if path.is_dir() else path.parent
-        r = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(path)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "QUANTPIPE_CACHE": str(case_dir / "env-cache")}, cwd=case_dir)
+        r = subprocess.run(
+            [sys.executable, "-m", "quantpipe", "run", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "QUANTPIPE_CACHE": str(case_dir / "env-cache")},
+            cwd=case_dir,
+        )
         assert r.returncode == 2, (path, r.returncode, r.stderr)
         assert "Traceback" not in r.stderr and r.stdout == "", r.stderr
         assert r.stderr.count("Error: ") == 1, r.stderr

@@ -40,7 +40,11 @@ def _shift(record: dict, artifact: str, by: float) -> None:
 def _nights(out: Path) -> list[Path]:
     """Three nights of make_record(): the second moves fp8's recovery within its CI, the third drops it beyond."""
     dirs = []
-    for run_id, start, by in (("r1", "2026-11-28T02:30:00Z", 0.0), ("r2", "2026-11-29T02:30:00Z", -0.015), ("r3", "2026-11-30T02:30:00Z", -0.09)):
+    for run_id, start, by in (
+        ("r1", "2026-11-28T02:30:00Z", 0.0),
+        ("r2", "2026-11-29T02:30:00Z", -0.015),
+        ("r3", "2026-11-30T02:30:00Z", -0.09),
+    ):
         rec = make_record(run_id, start, tweak=lambda r, by=by: _shift(r, "fp8", by))
         d = save_run(out, rec)
         _report(rec, d, out)
@@ -83,11 +87,17 @@ def test_history_html_links_every_point_to_its_report(tmp_path):
 def test_history_renders_in_chromium_without_horizontal_scroll(tmp_path):
     _nights(tmp_path)
     page = write_history(tmp_path)[1]
-    probe = ("<script>window.addEventListener('load', () => { const p = document.createElement('pre'); p.id = 'probe';"
-             " p.textContent = JSON.stringify({sw: document.documentElement.scrollWidth, w: window.innerWidth,"
-             " svgs: [...document.querySelectorAll('svg')].map(s => Math.round(s.getBoundingClientRect().width))}); document.body.appendChild(p); });</script>")
+    probe = (
+        "<script>window.addEventListener('load', () => { const p = document.createElement('pre'); p.id = 'probe';"
+        " p.textContent = JSON.stringify({sw: document.documentElement.scrollWidth, w: window.innerWidth,"
+        " svgs: [...document.querySelectorAll('svg')].map(s => Math.round(s.getBoundingClientRect().width))}); document.body.appendChild(p); });</script>"
+    )
     probed = tmp_path / "probe.html"
-    probed.write_text(page.read_text().replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';").replace("</body>", probe + "</body>"))
+    probed.write_text(
+        page.read_text()
+        .replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';")
+        .replace("</body>", probe + "</body>")
+    )
     dom = _chromium(["--window-size=1366,900", "--virtual-time-budget=5000", "--dump-dom", probed.as_uri()], tmp_path)
     info = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S).group(1).replace("&quot;", '"'))
     assert info["sw"] <= info["w"] and len(info["svgs"]) == 6 and min(info["svgs"]) > 400, info
@@ -102,7 +112,9 @@ def test_history_cli_and_bad_input(tmp_path):
     assert r.exit_code == 0, r.output
     assert f"history: {tmp_path / 'history.html'} (2 run(s))" in r.output
     h = json.loads((tmp_path / "history.json").read_text())
-    assert [x["run_id"] for x in h["runs"]] == ["r2", "r3"] and h["runs"][0]["against"] == "r1"  # its reference is older than the window
+    assert [x["run_id"] for x in h["runs"]] == ["r2", "r3"] and h["runs"][0][
+        "against"
+    ] == "r1"  # its reference is older than the window
     empty = tmp_path / "empty"
     empty.mkdir()
     r = CliRunner().invoke(main, ["history", str(empty)])
@@ -122,7 +134,9 @@ def test_history_over_three_real_runs_of_a_tiny_recipe(tiny, tmp_path, tmp_path_
     for night in range(3):
         r = CliRunner().invoke(main, ["run", str(recipe), "--quiet", *(["--history"] if night == 2 else [])])
         assert r.exit_code == 0, r.output
-    assert f"history: {tmp_path / 'out' / 'history.html'}" in r.output  # `run --history` refreshed it after the third night
+    assert (
+        f"history: {tmp_path / 'out' / 'history.html'}" in r.output
+    )  # `run --history` refreshed it after the third night
     runs = [json.loads(line) for line in (tmp_path / "out" / "runs" / "index.jsonl").read_text().splitlines()]
     assert len(runs) == 3 and len(json.loads((tmp_path / "out" / "history.json").read_text())["runs"]) == 3
     first = json.loads((Path(runs[0]["run_dir"]) / "run.json").read_text())

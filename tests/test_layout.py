@@ -56,7 +56,7 @@ def test_no_import_cycles():
             if m.startswith(d + "."):  # a module importing its own package's __init__ is not a cycle of code
                 continue
             if state.get(d) == 1:
-                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+                cycles.append(path[path.index(d) :] + [d] if d in path else [m, d])
             elif d not in state:
                 visit(d, path + [d])
         state[m] = 2
@@ -77,5 +77,9 @@ def test_stages_never_import_each_other():
 
 
 def test_no_module_over_400_lines():
-    long = {str(f.relative_to(PACKAGE_DIR)): n for f in PACKAGE_DIR.rglob("*.py") if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(f.relative_to(PACKAGE_DIR)): n
+        for f in PACKAGE_DIR.rglob("*.py")
+        if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their seams): {long}"

@@ -50,26 +50,39 @@ def recipe_dict(tmp_path, *artifacts) -> dict:
     (tmp_path / "cal.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "val.jsonl").write_text('{"prompt": "p", "reference": "r"}\n')
     return {
-        "name": "t", "output_dir": "out", "cache_dir": "cache", "base": {"model": "m"},
+        "name": "t",
+        "output_dir": "out",
+        "cache_dir": "cache",
+        "base": {"model": "m"},
         "calibration": {"sources": [{"path": "cal.jsonl"}]},
         "artifacts": [{"name": f"a{i}", **a} for i, a in enumerate(artifacts)],
-        "evaluation": {"validation": {"path": "val.jsonl"}}, "benchmark": {"enabled": False},
+        "evaluation": {"validation": {"path": "val.jsonl"}},
+        "benchmark": {"enabled": False},
     }
 
 
 # --- the schema refuses what a backend cannot do ---------------------------------------------------
 
 
-@pytest.mark.parametrize("artifact,needle", [
-    ({"method": "awq", "backend": "autoawq", "symmetric": True}, "needs zero points"),
-    ({"method": "awq", "backend": "autoawq", "n_grid": 5}, "fixed grid of 20 points"),
-    ({"method": "awq", "backend": "autoawq", "ignore": ["re:.*mlp.*", "lm_head"]}, "not by `re:` pattern"),
-    ({"method": "gptq", "backend": "gptqmodel", "block_size": 64}, "fixed blocks of 128"),
-    ({"method": "gptq", "backend": "gptqmodel", "targets": ["re:.*proj"]}, "Linear layers of the decoder blocks only"),
-    ({"method": "gptq", "backend": "gptqmodel", "ignore": []}, "cannot quantize lm_head"),
-    ({"method": "awq", "backend": "autoawq", "pipeline": "sequential"}, "`pipeline` is an llm-compressor option"),
-    ({"method": "gptq", "backend": "gptqmodel", "sequential_targets": ["LlamaDecoderLayer"]}, "`sequential_targets` is an llm-compressor option"),
-])
+@pytest.mark.parametrize(
+    "artifact,needle",
+    [
+        ({"method": "awq", "backend": "autoawq", "symmetric": True}, "needs zero points"),
+        ({"method": "awq", "backend": "autoawq", "n_grid": 5}, "fixed grid of 20 points"),
+        ({"method": "awq", "backend": "autoawq", "ignore": ["re:.*mlp.*", "lm_head"]}, "not by `re:` pattern"),
+        ({"method": "gptq", "backend": "gptqmodel", "block_size": 64}, "fixed blocks of 128"),
+        (
+            {"method": "gptq", "backend": "gptqmodel", "targets": ["re:.*proj"]},
+            "Linear layers of the decoder blocks only",
+        ),
+        ({"method": "gptq", "backend": "gptqmodel", "ignore": []}, "cannot quantize lm_head"),
+        ({"method": "awq", "backend": "autoawq", "pipeline": "sequential"}, "`pipeline` is an llm-compressor option"),
+        (
+            {"method": "gptq", "backend": "gptqmodel", "sequential_targets": ["LlamaDecoderLayer"]},
+            "`sequential_targets` is an llm-compressor option",
+        ),
+    ],
+)
 def test_unsupported_options_are_refused_at_check(tmp_path, artifact, needle):
     with pytest.raises(RecipeError, match=r"artifacts\.0: .*" + needle.replace("`", ".").replace("(", r"\(")):
         parse(yaml.safe_dump(recipe_dict(tmp_path, artifact)), tmp_path)
@@ -79,7 +92,16 @@ def test_unsupported_options_are_refused_at_check(tmp_path, artifact, needle):
 
 
 def test_defaults_are_accepted_for_both_backends(tmp_path):
-    r = parse(yaml.safe_dump(recipe_dict(tmp_path, {"method": "awq", "backend": "autoawq"}, {"method": "gptq", "backend": "gptqmodel", "bits": 8, "group_size": None})), tmp_path)
+    r = parse(
+        yaml.safe_dump(
+            recipe_dict(
+                tmp_path,
+                {"method": "awq", "backend": "autoawq"},
+                {"method": "gptq", "backend": "gptqmodel", "bits": 8, "group_size": None},
+            )
+        ),
+        tmp_path,
+    )
     assert [a.backend for a in r.artifacts] == ["autoawq", "gptqmodel"]
 
 
@@ -87,7 +109,17 @@ def test_defaults_are_accepted_for_both_backends(tmp_path):
 
 
 def test_legacy_artifacts_run_in_their_environments(tmp_path):
-    r = parse(yaml.safe_dump(recipe_dict(tmp_path, {"method": "awq", "backend": "autoawq"}, {"method": "gptq", "backend": "gptqmodel"}, {"method": "rtn"})), tmp_path)
+    r = parse(
+        yaml.safe_dump(
+            recipe_dict(
+                tmp_path,
+                {"method": "awq", "backend": "autoawq"},
+                {"method": "gptq", "backend": "gptqmodel"},
+                {"method": "rtn"},
+            )
+        ),
+        tmp_path,
+    )
     env = {s.id: s.env for s in build_steps(r, r.base.model)}
     assert env["quantize:a0"] == "autoawq" and env["quantize:a1"] == "gptqmodel" and env["quantize:a2"] == "quantize"
     # transformers 5 reads AWQ and GPTQ checkpoints through gptqmodel: their evaluation runs where it is
@@ -100,13 +132,27 @@ def test_missing_legacy_environment_stops_the_run_before_any_stage(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(d))
     env = {**os.environ, "QUANTPIPE_PYTHON_AUTOAWQ": str(tmp_path / "nowhere" / "python")}
     for args in (["run", "--dry-run"], ["run"]):
-        res = subprocess.run([sys.executable, "-m", "quantpipe", *args, str(tmp_path / "r.yaml")], capture_output=True, text=True, env=env, timeout=120)
+        res = subprocess.run(
+            [sys.executable, "-m", "quantpipe", *args, str(tmp_path / "r.yaml")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert res.returncode == 1, res.stderr
-        assert "the 'autoawq' environment is missing" in res.stderr and "scripts/setup_envs.sh legacy" in res.stderr, res.stderr
+        assert "the 'autoawq' environment is missing" in res.stderr and "scripts/setup_envs.sh legacy" in res.stderr, (
+            res.stderr
+        )
         assert "Traceback" not in res.stderr
     assert not (tmp_path / "cache" / "stages").exists() or not any((tmp_path / "cache" / "stages").iterdir())
     # the same recipe without the legacy artifact plans fine
-    res = subprocess.run([sys.executable, "-m", "quantpipe", "run", "--dry-run", "--artifacts", "a0", str(tmp_path / "r.yaml")], capture_output=True, text=True, env=env, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", "--dry-run", "--artifacts", "a0", str(tmp_path / "r.yaml")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -120,7 +166,9 @@ def test_stage_outside_its_environment_says_where_it_runs(tmp_path, backend, met
     r = parse(yaml.safe_dump(d), tmp_path)
     out = tmp_path / "q"
     out.mkdir()
-    with pytest.raises(StageError, match=rf"backend {backend} runs in the {backend} environment.*scripts/setup_envs.sh legacy"):
+    with pytest.raises(
+        StageError, match=rf"backend {backend} runs in the {backend} environment.*scripts/setup_envs.sh legacy"
+    ):
         from quantpipe.run.plan import stage_input
 
         run(stage_input("quantize", r, "a0", tmp_path / "m"), tmp_path / "m", out)
@@ -143,17 +191,27 @@ def built(tiny, tmp_path_factory):
     """`quantpipe run --stages quantize` over ARTIFACTS: name -> (dir, metrics), plus the run record."""
     root = tmp_path_factory.mktemp("legacy")
     d = {
-        "name": "legacy", "output_dir": str(root / "out"), "cache_dir": str(root / "cache"), "base": {"model": str(tiny.llama)},
+        "name": "legacy",
+        "output_dir": str(root / "out"),
+        "cache_dir": str(root / "cache"),
+        "base": {"model": str(tiny.llama)},
         "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 32, "max_seq_len": 128, "seed": 0},
         "artifacts": [{"name": n, **a} for n, a in ARTIFACTS.items()],
-        "benchmark": {"enabled": False}, "package": {"enabled": False},
+        "benchmark": {"enabled": False},
+        "package": {"enabled": False},
     }
     (root / "r.yaml").write_text(yaml.safe_dump(d))
-    res = subprocess.run([sys.executable, "-m", "quantpipe", "run", "--stages", "quantize", str(root / "r.yaml")],
-                         capture_output=True, text=True, timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", "--stages", "quantize", str(root / "r.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     rec = json.loads(sorted((root / "out" / "runs").glob("*/run.json"))[-1].read_text())
     assert res.returncode == 0, (res.stderr[-3000:], {k: v.get("log_tail") for k, v in rec["stages"].items()})
-    return {n: (Path(rec["stages"][f"quantize:{n}"]["out"]), rec["stages"][f"quantize:{n}"]["metrics"]) for n in ARTIFACTS} | {"_record": rec}
+    return {
+        n: (Path(rec["stages"][f"quantize:{n}"]["out"]), rec["stages"][f"quantize:{n}"]["metrics"]) for n in ARTIFACTS
+    } | {"_record": rec}
 
 
 @pytest.mark.slow
@@ -161,28 +219,57 @@ def built(tiny, tmp_path_factory):
 @needs_legacy
 def test_legacy_artifacts_are_their_formats(built, tiny):
     rec = built["_record"]
-    assert rec["stages"]["quantize:awq-legacy"]["env"] == "autoawq" and rec["stages"]["quantize:gptq-legacy"]["env"] == "gptqmodel"
+    assert (
+        rec["stages"]["quantize:awq-legacy"]["env"] == "autoawq"
+        and rec["stages"]["quantize:gptq-legacy"]["env"] == "gptqmodel"
+    )
 
     awq_dir, awq = built["awq-legacy"]
     q = json.loads((awq_dir / "config.json").read_text())["quantization_config"]
-    assert (q["quant_method"], q["version"], q["bits"], q["group_size"], q["zero_point"]) == ("awq", "gemm", 4, 128, True)
+    assert (q["quant_method"], q["version"], q["bits"], q["group_size"], q["zero_point"]) == (
+        "awq",
+        "gemm",
+        4,
+        128,
+        True,
+    )
     rope = json.loads((awq_dir / "config.json").read_text())
-    assert rope.get("rope_theta", rope.get("rope_parameters", {}).get("rope_theta")) == 500000.0, "transformers 4 must see the model's own rope_theta"
+    assert rope.get("rope_theta", rope.get("rope_parameters", {}).get("rope_theta")) == 500000.0, (
+        "transformers 4 must see the model's own rope_theta"
+    )
 
     gptq_dir, gptq = built["gptq-legacy"]
     q = json.loads((gptq_dir / "config.json").read_text())["quantization_config"]
-    assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == ("gptq", 4, 128, True, True)  # actorder static
+    assert (q["quant_method"], q["bits"], q["group_size"], q["sym"], q["desc_act"]) == (
+        "gptq",
+        4,
+        128,
+        True,
+        True,
+    )  # actorder static
     assert (q["meta"]["damp_percent"], q["meta"]["static_groups"], q["meta"]["act_group_aware"]) == (0.01, True, False)
 
     for name in ("awq-legacy", "gptq-legacy"):
         d, m = built[name]
-        for f in ("config.json", "calibration.json", "backend.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        for f in (
+            "config.json",
+            "calibration.json",
+            "backend.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ):
             assert (d / f).is_file(), f"{name}: {f} missing"
         for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             assert (d / f).read_bytes() == (tiny.llama / f).read_bytes(), f"{name}: {f} differs from the source model's"
         # 4-bit decoder layers; embeddings and lm_head stay 16-bit (most of this tiny model): as small as RTN's 4-bit
         rtn = built["rtn"][1]["weights_bytes"]
-        assert m["weights_bytes"] < m["baseline_weights_bytes"] and abs(m["weights_bytes"] - rtn) < 0.02 * rtn, (name, m, rtn)
+        assert m["weights_bytes"] < m["baseline_weights_bytes"] and abs(m["weights_bytes"] - rtn) < 0.02 * rtn, (
+            name,
+            m,
+            rtn,
+        )
         assert m["size_bytes"] == sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
         assert m["quantize_s"] > 0 and m["wall_s"] > m["quantize_s"] and m["peak_rss_gib"] > 0
         backend = json.loads((d / "backend.json").read_text())
@@ -201,7 +288,9 @@ def test_same_calibration_samples_as_llm_compressor(built, tiny):
     from quantpipe import calibration as cal
     from quantpipe.recipe import Calibration
 
-    c = Calibration.model_validate({"sources": [{"path": str(tiny.calibration)}], "num_samples": 32, "max_seq_len": 128, "seed": 0})
+    c = Calibration.model_validate(
+        {"sources": [{"path": str(tiny.calibration)}], "num_samples": 32, "max_seq_len": 128, "seed": 0}
+    )
     expected = cal.prepare(c, AutoTokenizer.from_pretrained(tiny.llama))
     assert sum(r.messages is not None for r in expected.rows) > 0  # chat rows: the template matters
     for name in ARTIFACTS:
@@ -218,8 +307,13 @@ def test_same_calibration_samples_as_llm_compressor(built, tiny):
 @needs_legacy
 def test_legacy_artifacts_load_generate_and_beat_rtn(built, tiny):
     dirs = {n: str(built[n][0]) for n in ARTIFACTS}
-    res = subprocess.run([str(python_for("gptqmodel")), str(QUALITY), str(tiny.llama), str(tiny.heldout), json.dumps(dirs)],
-                         capture_output=True, text=True, timeout=1200, env={**os.environ, "GPTQMODEL_CPU_WORKERS": "2"})
+    res = subprocess.run(
+        [str(python_for("gptqmodel")), str(QUALITY), str(tiny.llama), str(tiny.heldout), json.dumps(dirs)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "GPTQMODEL_CPU_WORKERS": "2"},
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     q = json.loads(res.stdout.strip().splitlines()[-1])
     print("\nlegacy backends on held-out text:", json.dumps(q, indent=1))

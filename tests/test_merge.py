@@ -120,7 +120,9 @@ def test_merged_logits_match_base_plus_adapter(merged):
     assert metrics["dtype"] == "bfloat16" and metrics["params"] > 5_000_000
 
     tok = AutoTokenizer.from_pretrained(out)
-    ids = torch.tensor([tok("What is the capital of Norvia? The colour of the zarp is", add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor(
+        [tok("What is the capital of Norvia? The colour of the zarp is", add_special_tokens=False)["input_ids"]]
+    )
     with torch.no_grad():
         m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         base_logits = m(input_ids=ids).logits
@@ -141,15 +143,29 @@ def test_merged_folder_is_a_plain_model(merged):
     arch, base, lora, out, metrics = merged
     names = {p.name for p in out.iterdir()}
     assert not any(n.startswith("adapter_") for n in names), names
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= names
     assert not any(p.is_symlink() for p in out.iterdir())
     assert metrics["size_bytes"] == (out / "model.safetensors").stat().st_size
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.chat_template and tok.chat_template == AutoTokenizer.from_pretrained(base).chat_template
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == json.loads((base / "generation_config.json").read_text())["eos_token_id"]
+    assert (
+        json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+        == json.loads((base / "generation_config.json").read_text())["eos_token_id"]
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.model_type == arch and model.dtype == torch.bfloat16
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 3 plus 4?"}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 3 plus 4?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     gen = model.generate(**ids, max_new_tokens=6, do_sample=False)
     assert gen.shape[1] > ids["input_ids"].shape[1]
 
@@ -171,8 +187,16 @@ def test_adapter_with_other_shapes_is_refused(tiny, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    other = LlamaForCausalLM(LlamaConfig(vocab_size=16384, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    other = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=16384,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    )
     pm = get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     pm.peft_config["default"].base_model_name_or_path = "someone/llama-other-size"
     pm.save_pretrained(tmp_path / "other-lora")
@@ -205,5 +229,8 @@ def test_no_adapters_links_the_base(tiny, tmp_path):
     for p in entries:
         assert p.resolve() == (tiny.llama / p.name).resolve() and Path(p.readlink()).is_absolute()
     assert metrics["n_adapters"] == 0 and metrics["merge_max_abs_diff"] is None
-    assert metrics["params"] == sum(t.numel() for t in read_tensors(tiny.llama).values()) and metrics["dtype"] == "bfloat16"
+    assert (
+        metrics["params"] == sum(t.numel() for t in read_tensors(tiny.llama).values())
+        and metrics["dtype"] == "bfloat16"
+    )
     assert metrics["size_bytes"] == (tiny.llama / "model.safetensors").stat().st_size

@@ -18,37 +18,93 @@ from quantpipe.stages.package import parse_size, run, serve_command, verify_pack
 
 ART = "w4"
 EVAL = {
-    "artifact": ART, "method": "rtn", "settings": {"backend": "hf"},
+    "artifact": ART,
+    "method": "rtn",
+    "settings": {"backend": "hf"},
     "lm_eval": {"tiny_qa": {"exact_match": 0.52}},
     "validation": {"metric": "exact_match", "score": 0.6, "n": 50},
     "fidelity": {"kl_mean": 0.00052, "top1_agreement": 0.981, "ppl": 141.2, "ppl_baseline": 140.9},
-    "comparison": [{"task": "tiny_qa", "metric": "exact_match", "baseline": 0.55, "artifact": 0.52, "recovery": 0.945,
-                    "ci95": [0.901, 0.987], "flip_rate": 0.06, "n": 200}],
+    "comparison": [
+        {
+            "task": "tiny_qa",
+            "metric": "exact_match",
+            "baseline": 0.55,
+            "artifact": 0.52,
+            "recovery": 0.945,
+            "ci95": [0.901, 0.987],
+            "flip_rate": 0.06,
+            "n": 200,
+        }
+    ],
 }
 BENCH = {
-    "artifact": ART, "method": "rtn", "servable": True, "reason": None, "platform": "cpu",
-    "results": [{"variant": v, "workload": "fixed", "concurrency": c, "request_throughput": 1.5 * c, "output_throughput": 96.0 * c,
-                 "total_token_throughput": 288.0 * c, "ttft_ms": {"mean": 60, "p50": 55, "p90": 80, "p99": 120},
-                 "tpot_ms": {"mean": 22, "p50": 21, "p90": 25, "p99": 31}, "itl_ms": {"mean": 22, "p50": 21, "p90": 25, "p99": 31},
-                 "e2el_ms": {"mean": 1500, "p50": 1450, "p90": 1700, "p99": 1900}, "goodput": 1.4 * c, "completed": 32, "failed": 0,
-                 "duration_s": 20.0} for v in ("default", "eager") for c in (1, 4)],
+    "artifact": ART,
+    "method": "rtn",
+    "servable": True,
+    "reason": None,
+    "platform": "cpu",
+    "results": [
+        {
+            "variant": v,
+            "workload": "fixed",
+            "concurrency": c,
+            "request_throughput": 1.5 * c,
+            "output_throughput": 96.0 * c,
+            "total_token_throughput": 288.0 * c,
+            "ttft_ms": {"mean": 60, "p50": 55, "p90": 80, "p99": 120},
+            "tpot_ms": {"mean": 22, "p50": 21, "p90": 25, "p99": 31},
+            "itl_ms": {"mean": 22, "p50": 21, "p90": 25, "p99": 31},
+            "e2el_ms": {"mean": 1500, "p50": 1450, "p90": 1700, "p99": 1900},
+            "goodput": 1.4 * c,
+            "completed": 32,
+            "failed": 0,
+            "duration_s": 20.0,
+        }
+        for v in ("default", "eager")
+        for c in (1, 4)
+    ],
     "offline": {"latency_s_batch1": 1.234, "throughput_req_s": 2.0, "throughput_tok_s": 130.5},
-    "memory": {"weights_gib": 0.004, "kv_cache_tokens": 16384, "peak_rss_gib": 3.2, "prefix_cache_hit_rate": 0.0, "preemptions": 0},
+    "memory": {
+        "weights_gib": 0.004,
+        "kv_cache_tokens": 16384,
+        "peak_rss_gib": 3.2,
+        "prefix_cache_hit_rate": 0.0,
+        "preemptions": 0,
+    },
     "best": {"variant": "eager", "concurrency": 4, "goodput": 5.6, "reason": "highest goodput within the SLO"},
-    "variants": {"default": {"engine": {"dtype": "bfloat16", "kv_cache_memory_bytes": 268435456}, "servable": True},
-                 "eager": {"engine": {"dtype": "bfloat16", "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456}, "servable": True}},
-    "lora": None, "server_start_s": 30.5,
+    "variants": {
+        "default": {"engine": {"dtype": "bfloat16", "kv_cache_memory_bytes": 268435456}, "servable": True},
+        "eager": {
+            "engine": {
+                "dtype": "bfloat16",
+                "max_num_seqs": 8,
+                "enforce_eager": True,
+                "kv_cache_memory_bytes": 268435456,
+            },
+            "servable": True,
+        },
+    },
+    "lora": None,
+    "server_start_s": 30.5,
 }
 
 
 def _recipe(tmp: Path, base: Path, notes: str | None = None, **package) -> Recipe:
-    return Recipe.model_validate({
-        "name": "tinypkg", "notes": notes, "output_dir": str(tmp / "out"), "base": {"model": str(base)},
-        "artifacts": [{"name": ART, "method": "rtn", "bits": 4, "group_size": 128}],
-        "benchmark": {"engine": {"kv_cache_memory_bytes": 268435456}, "slo": {"ttft_p99_ms": 500},
-                      "variants": [{"name": "eager", "engine": {"enforce_eager": True, "max_num_seqs": 8}}]},
-        "package": package,
-    })
+    return Recipe.model_validate(
+        {
+            "name": "tinypkg",
+            "notes": notes,
+            "output_dir": str(tmp / "out"),
+            "base": {"model": str(base)},
+            "artifacts": [{"name": ART, "method": "rtn", "bits": 4, "group_size": 128}],
+            "benchmark": {
+                "engine": {"kv_cache_memory_bytes": 268435456},
+                "slo": {"ttft_p99_ms": 500},
+                "variants": [{"name": "eager", "engine": {"enforce_eager": True, "max_num_seqs": 8}}],
+            },
+            "package": package,
+        }
+    )
 
 
 def _entry(cache: Path, stage: str, key: str, metrics: dict, src: Path | None = None) -> Path:
@@ -70,8 +126,16 @@ def make_tiny_base(base: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      vocab_size=1024, max_position_embeddings=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(base)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(1021)}}
     t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -101,15 +165,38 @@ def model(tmp_path_factory):
     merged = _entry(cache, "merge", "m" * 32, {"wall_s": 2.0}, src=base)
     quant = cache / "stages" / "quantize" / ART / ("q" * 32) / "out"
     m.save_pretrained(quant, save_compressed=True)  # no tokenizer here: the package takes it from the merged model
-    (quant.parent / "entry.json").write_text(json.dumps({"metrics": {
-        "method": "rtn", "scheme": "W4A16", "size_bytes": 1_600_000, "baseline_size_bytes": 2_400_000, "compression": 1.5,
-        "calibration_sha256": None, "n_calibration_samples": 0, "oneshot_s": 0.4, "save_s": 0.2, "wall_s": 3.0}, "wall_s": 3.0}))
+    (quant.parent / "entry.json").write_text(
+        json.dumps(
+            {
+                "metrics": {
+                    "method": "rtn",
+                    "scheme": "W4A16",
+                    "size_bytes": 1_600_000,
+                    "baseline_size_bytes": 2_400_000,
+                    "compression": 1.5,
+                    "calibration_sha256": None,
+                    "n_calibration_samples": 0,
+                    "oneshot_s": 0.4,
+                    "save_s": 0.2,
+                    "wall_s": 3.0,
+                },
+                "wall_s": 3.0,
+            }
+        )
+    )
     (quant / "adapter_config.json").write_text("{}")  # must not reach the package
     refs = {
         "evaluation": _entry(cache, f"evaluate:{ART}", "e" * 32, EVAL),
-        "baseline_eval": _entry(cache, "evaluate:baseline", "f" * 32, {"validation": {"metric": "exact_match", "score": 0.62, "n": 50}}),
+        "baseline_eval": _entry(
+            cache, "evaluate:baseline", "f" * 32, {"validation": {"metric": "exact_match", "score": 0.62, "n": 50}}
+        ),
         "benchmark": _entry(cache, f"benchmark:{ART}", "b" * 32, BENCH),
-        "baseline_benchmark": _entry(cache, "benchmark:baseline", "c" * 32, {**BENCH, "offline": {"latency_s_batch1": 1.9, "throughput_tok_s": 100.0}}),
+        "baseline_benchmark": _entry(
+            cache,
+            "benchmark:baseline",
+            "c" * 32,
+            {**BENCH, "offline": {"latency_s_batch1": 1.9, "throughput_tok_s": 100.0}},
+        ),
     }
     return {"root": root, "base": base, "merged": merged, "quant": quant, "refs": refs, "cache": cache}
 
@@ -117,11 +204,22 @@ def model(tmp_path_factory):
 def _record(out: Path) -> Upstream:
     """What the runner hands a stage for an upstream entry: its output directory and entry.json's record."""
     rec = json.loads((out.parent / "entry.json").read_text())
-    return Upstream(out=out, stage=rec.get("stage", "quantize:" + ART), key=rec.get("key", out.parent.name), wall_s=rec.get("wall_s"), metrics=rec["metrics"])
+    return Upstream(
+        out=out,
+        stage=rec.get("stage", "quantize:" + ART),
+        key=rec.get("key", out.parent.name),
+        wall_s=rec.get("wall_s"),
+        metrics=rec["metrics"],
+    )
 
 
 def _upstream(model, **extra) -> dict:
-    return {"quantize": _record(model["quant"]), "merged": _record(model["merged"]), **{k: _record(v) for k, v in model["refs"].items()}, **extra}
+    return {
+        "quantize": _record(model["quant"]),
+        "merged": _record(model["merged"]),
+        **{k: _record(v) for k, v in model["refs"].items()},
+        **extra,
+    }
 
 
 def _package(model, tmp: Path, name: str, notes: str | None = None, **package) -> tuple[Path, dict]:
@@ -143,8 +241,17 @@ def pkg(model, tmp_path_factory):
 def test_package_layout_and_verify_ok(pkg):
     out, metrics = pkg
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", "README.md", "manifest.json", "recipe.yaml"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "README.md",
+        "manifest.json",
+        "recipe.yaml",
+    } <= names
     assert "adapter_config.json" not in names and "adapter_config.json" in metrics["skipped"]
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == "pack-quantized"
     assert metrics["resharded"] is False and metrics["shards"] == 1 and metrics["chat_template"] is True
@@ -167,10 +274,22 @@ def test_manifest_records_hashes_keys_and_provenance(pkg):
     man = json.loads((out / "manifest.json").read_text())
     assert set(man["files"]) == {p.name for p in out.iterdir()} - {"manifest.json"}
     st = man["files"]["model.safetensors"]
-    assert st["sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() and st["size"] == (out / "model.safetensors").stat().st_size
-    assert man["stage_keys"] == {"merge": "m" * 32, f"quantize:{ART}": "q" * 32, f"evaluate:{ART}": "e" * 32, "evaluate:baseline": "f" * 32,
-                                 f"benchmark:{ART}": "b" * 32, "benchmark:baseline": "c" * 32, f"package:{ART}": "p" * 32}
-    assert man["recipe"]["artifact"]["name"] == ART and man["trust_remote_code"] is False and man["allow_pickle"] is False
+    assert (
+        st["sha256"] == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+        and st["size"] == (out / "model.safetensors").stat().st_size
+    )
+    assert man["stage_keys"] == {
+        "merge": "m" * 32,
+        f"quantize:{ART}": "q" * 32,
+        f"evaluate:{ART}": "e" * 32,
+        "evaluate:baseline": "f" * 32,
+        f"benchmark:{ART}": "b" * 32,
+        "benchmark:baseline": "c" * 32,
+        f"package:{ART}": "p" * 32,
+    }
+    assert (
+        man["recipe"]["artifact"]["name"] == ART and man["trust_remote_code"] is False and man["allow_pickle"] is False
+    )
     assert man["timings_s"][f"quantize:{ART}"] == 3.0
     assert man["hardware"]["cpus"] and "quantize" in man["versions"] and "git_commit" in man["quantpipe"]
 
@@ -188,7 +307,9 @@ def test_model_card_front_matter_and_body(pkg):
     body = card.text
     assert "| tiny_qa | exact_match | 0.550 | 0.520 | 0.945 | [0.901, 0.987] |" in body
     # the best variant's arguments, as the benchmark served with them
-    assert "vllm serve ./w4 --dtype bfloat16 --max-num-seqs 8 --enforce-eager --kv-cache-memory-bytes 268435456\n" in body
+    assert (
+        "vllm serve ./w4 --dtype bfloat16 --max-num-seqs 8 --enforce-eager --kv-cache-memory-bytes 268435456\n" in body
+    )
     assert "`eager` best (at concurrency 4)" in body
     assert "batch-1 latency 1.234 s (baseline 1.900 s)" in body
     assert "mean next-token KL divergence 0.00052" in body
@@ -277,12 +398,19 @@ def test_refuses_an_unquantized_model(model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(StageError, match="no quantization_config"):
-        run(stage_input("package", _recipe(tmp_path, model["base"]), ART, model["base"]), model["base"], out, {"merged": _record(model["merged"])})
+        run(
+            stage_input("package", _recipe(tmp_path, model["base"]), ART, model["base"]),
+            model["base"],
+            out,
+            {"merged": _record(model["merged"])},
+        )
 
 
 def test_verify_without_manifest(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert verify_package(tmp_path) == ["manifest.json: missing or unreadable; this is not a quantpipe package (or the manifest was damaged)"]
+    assert verify_package(tmp_path) == [
+        "manifest.json: missing or unreadable; this is not a quantpipe package (or the manifest was damaged)"
+    ]
     assert verify_package(tmp_path / "nope")[0].endswith("not a directory")
 
 
@@ -295,7 +423,13 @@ def test_parse_size_reads_the_units_max_shard_size_allows():
 def test_serve_command_from_the_recipe_when_the_benchmark_recorded_no_engine(tmp_path):
     r = _recipe(tmp_path, tmp_path)
     best = {"best": {"variant": "eager", "concurrency": 4}}
-    assert serve_command(r, ART, best)["command"] == "vllm serve ./w4 --max-num-seqs 8 --enforce-eager --kv-cache-memory-bytes 268435456"
+    assert (
+        serve_command(r, ART, best)["command"]
+        == "vllm serve ./w4 --max-num-seqs 8 --enforce-eager --kv-cache-memory-bytes 268435456"
+    )
     # no variant met the SLO: the default engine, and the card says why
     none = serve_command(r, ART, {"best": {"variant": None, "reason": "no variant meets the SLO"}})
-    assert none["command"] == "vllm serve ./w4 --kv-cache-memory-bytes 268435456" and none["reason"] == "no variant meets the SLO"
+    assert (
+        none["command"] == "vllm serve ./w4 --kv-cache-memory-bytes 268435456"
+        and none["reason"] == "no variant meets the SLO"
+    )

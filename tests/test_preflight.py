@@ -1,6 +1,6 @@
 """Pre-flight estimates: parameter counts against transformers, the method overheads, refusals (fast, no stage runs).
 
-    .venv/quantize/bin/python -m pytest tests/test_preflight.py -q
+.venv/quantize/bin/python -m pytest tests/test_preflight.py -q
 """
 
 from __future__ import annotations
@@ -19,9 +19,19 @@ from quantpipe.run.plan import build_steps
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 8,
-         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 640, "vocab_size": 1000, "tie_word_embeddings": False,
-         "max_position_embeddings": 1024}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 640,
+    "vocab_size": 1000,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 1024,
+}
 QWEN2 = {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True}
 
 
@@ -35,10 +45,18 @@ def model_dir(tmp_path: Path, config: dict, name: str = "model") -> Path:
 def recipe(tmp_path: Path, model: Path, **over) -> Recipe:
     cal = tmp_path / "cal.jsonl"
     cal.write_text('{"text": "hello"}\n')
-    data = {"name": "p", "output_dir": str(tmp_path / "out"), "base": {"model": str(model)},
-            "calibration": {"sources": [{"path": str(cal)}], "num_samples": 64, "max_seq_len": 256},
-            "artifacts": [{"name": "awq", "method": "awq"}, {"name": "gptq", "method": "gptq"}, {"name": "fp8", "method": "fp8"}],
-            "benchmark": {"engine": {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28}}}
+    data = {
+        "name": "p",
+        "output_dir": str(tmp_path / "out"),
+        "base": {"model": str(model)},
+        "calibration": {"sources": [{"path": str(cal)}], "num_samples": 64, "max_seq_len": 256},
+        "artifacts": [
+            {"name": "awq", "method": "awq"},
+            {"name": "gptq", "method": "gptq"},
+            {"name": "fp8", "method": "fp8"},
+        ],
+        "benchmark": {"engine": {"max_model_len": 512, "kv_cache_memory_bytes": 1 << 28}},
+    }
     for k, v in over.items():
         data[k] = v
     return Recipe.model_validate(data)
@@ -68,12 +86,18 @@ def test_method_overheads_scale_with_what_they_depend_on(tmp_path):
     est = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None)
     t = {k: v["terms"] for k, v in est.items()}
     h, i = LLAMA["hidden_size"], LLAMA["intermediate_size"]
-    assert t["quantize:gptq"]["GPTQ Hessians"] == (5 * h * h + (8 * 32) ** 2 + i * i) * 4  # in x in fp32 per Linear of one layer
+    assert (
+        t["quantize:gptq"]["GPTQ Hessians"] == (5 * h * h + (8 * 32) ** 2 + i * i) * 4
+    )  # in x in fp32 per Linear of one layer
     assert "GPTQ Hessians" not in t["quantize:awq"] and "AWQ activation cache" in t["quantize:awq"]
     assert "layer activations (2*N*S*h*b)" not in t["quantize:fp8"]  # FP8_DYNAMIC needs no calibration
     assert t["benchmark:baseline"]["KV cache"] == 1 << 28
     # twice the samples: twice the activations, the same Hessians
-    r2 = recipe(tmp_path, m, calibration={"sources": [{"path": str(tmp_path / "cal.jsonl")}], "num_samples": 128, "max_seq_len": 256})
+    r2 = recipe(
+        tmp_path,
+        m,
+        calibration={"sources": [{"path": str(tmp_path / "cal.jsonl")}], "num_samples": 128, "max_seq_len": 256},
+    )
     t2 = {k: v["terms"] for k, v in preflight.estimate(r2, build_steps(r2, str(m)), str(m), gpu=None).items()}
     assert t2["quantize:awq"]["AWQ activation cache"] == 2 * t["quantize:awq"]["AWQ activation cache"]
     assert t2["quantize:gptq"]["GPTQ Hessians"] == t["quantize:gptq"]["GPTQ Hessians"]
@@ -101,11 +125,19 @@ def test_cpu_stages_computing_in_float32_are_sized_in_float32(tmp_path, monkeypa
     terms = {}
     for fast in (True, False):
         monkeypatch.setattr(compute, "half_is_fast", lambda dtype, fast=fast: fast)
-        terms[fast] = {k: v["terms"] for k, v in preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None).items()}
+        terms[fast] = {
+            k: v["terms"] for k, v in preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None).items()
+        }
     shape = preflight.model_shape(m)
     P = shape["params"]
-    assert terms[True]["quantize:gptq"]["model in bfloat16"] == 2 * P and terms[False]["quantize:gptq"]["model in float32"] == 4 * P
-    assert terms[False]["quantize:gptq"]["layer activations (2*N*S*h*b)"] == 2 * terms[True]["quantize:gptq"]["layer activations (2*N*S*h*b)"]
+    assert (
+        terms[True]["quantize:gptq"]["model in bfloat16"] == 2 * P
+        and terms[False]["quantize:gptq"]["model in float32"] == 4 * P
+    )
+    assert (
+        terms[False]["quantize:gptq"]["layer activations (2*N*S*h*b)"]
+        == 2 * terms[True]["quantize:gptq"]["layer activations (2*N*S*h*b)"]
+    )
     assert terms[False]["evaluate:gptq"]["model in float32"] == 4 * P
     assert terms[False]["evaluate:gptq"]["baseline's output layer (for KL)"] == 4 * shape["vocab"] * shape["hidden"]
     assert terms[False]["benchmark:gptq"] == terms[True]["benchmark:gptq"]  # vLLM serves in base.dtype either way
@@ -115,11 +147,15 @@ def test_the_hf_evaluation_counts_the_whole_baseline_where_its_logits_are_not_it
     """An artifact's hf evaluation holds the baseline's output layer alone, unless the logits are soft-capped or scaled
     (the baseline then keeps no hidden states and the stage loads the whole model)."""
     (tmp_path / "val.jsonl").write_text('{"prompt": "1 + 1 =", "reference": "2"}\n')
-    for i, (extra, whole) in enumerate((({}, False), ({"final_logit_softcapping": 30.0}, True), ({"logit_scale": 0.0625}, True))):
+    for i, (extra, whole) in enumerate(
+        (({}, False), ({"final_logit_softcapping": 30.0}, True), ({"logit_scale": 0.0625}, True))
+    ):
         m = model_dir(tmp_path, {**LLAMA, **extra}, name=f"model{i}")
         r = recipe(tmp_path, m, adapters=[], evaluation={"validation": {"path": str(tmp_path / "val.jsonl")}})
         terms = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None)["evaluate:gptq"]["terms"]
-        assert ("baseline (for KL)" in terms) is whole and ("baseline's output layer (for KL)" in terms) is not whole, extra
+        assert ("baseline (for KL)" in terms) is whole and ("baseline's output layer (for KL)" in terms) is not whole, (
+            extra
+        )
 
 
 def test_gpu_benchmark_reserves_its_share_and_needs_room_for_one_sequence(tmp_path):
@@ -130,7 +166,12 @@ def test_gpu_benchmark_reserves_its_share_and_needs_room_for_one_sequence(tmp_pa
     assert est["benchmark:baseline"]["gpu_bytes"] == 40 * GIB
     have = {"ram_bytes": 64 * GIB, "gpu": {"total_bytes": 80 * GIB, "free_bytes": 30 * GIB}, "disk": {}}
     bad = preflight.problems(r, est, have, set(est))
-    assert any(p.startswith("benchmark:baseline needs about 40.00 GiB of GPU memory") and "30.00 GiB is free" in p and "gpu_memory_utilization" in p for p in bad), bad
+    assert any(
+        p.startswith("benchmark:baseline needs about 40.00 GiB of GPU memory")
+        and "30.00 GiB is free" in p
+        and "gpu_memory_utilization" in p
+        for p in bad
+    ), bad
     assert preflight.problems(r, est, {**have, "gpu": gpu}, set(est)) == []
     # a context too long for the reservation: refused, naming max_model_len
     huge = recipe(tmp_path, m, benchmark={"engine": {"max_model_len": 10**8, "gpu_memory_utilization": 0.5}})
@@ -149,25 +190,47 @@ def test_problems_name_stage_estimate_available_and_fix(tmp_path):
     assert f"but {(need - 1) / GIB:.2f} GiB is available" in bad[0] and "calibration.num_samples, now 64" in bad[0]
     assert preflight.problems(r, est, have, set()) == []  # only stages that will run are checked (cache hits are not)
     disk = {"path": str(tmp_path), "free_bytes": 1, "dev": 1}
-    bad = preflight.problems(r, est, {"ram_bytes": None, "gpu": None, "disk": {"cache": disk, "output": {**disk, "dev": 2}}}, set(est))
+    bad = preflight.problems(
+        r, est, {"ram_bytes": None, "gpu": None, "disk": {"cache": disk, "output": {**disk, "dev": 2}}}, set(est)
+    )
     assert any(str(tmp_path) in p and "cache_dir" in p for p in bad) and any("output_dir" in p for p in bad)
 
 
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """A ~10T-parameter model: no machine has the memory; exit 2, the stage named, nothing written."""
-    big = {**LLAMA, "hidden_size": 32768, "num_hidden_layers": 640, "num_attention_heads": 256, "head_dim": 128, "num_key_value_heads": 8,
-           "intermediate_size": 131072, "vocab_size": 256000}
+    big = {
+        **LLAMA,
+        "hidden_size": 32768,
+        "num_hidden_layers": 640,
+        "num_attention_heads": 256,
+        "head_dim": 128,
+        "num_key_value_heads": 8,
+        "intermediate_size": 131072,
+        "vocab_size": 256000,
+    }
     m = model_dir(tmp_path, big)
     (m / "model.safetensors").write_bytes(b"\0" * 8)  # unreadable header: the count comes from the config
     (tmp_path / "cal.jsonl").write_text('{"text": "hello"}\n')
-    r = {"name": "big", "output_dir": "out", "base": {"model": "model"}, "calibration": {"sources": [{"path": "cal.jsonl"}]},
-         "artifacts": [{"name": "gptq", "method": "gptq"}], "evaluation": {}, "benchmark": {"enabled": False}}
+    r = {
+        "name": "big",
+        "output_dir": "out",
+        "base": {"model": "model"},
+        "calibration": {"sources": [{"path": "cal.jsonl"}]},
+        "artifacts": [{"name": "gptq", "method": "gptq"}],
+        "evaluation": {},
+        "benchmark": {"enabled": False},
+    }
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(r))
     monkeypatch.setenv("QUANTPIPE_CACHE", str(tmp_path / "cache"))
     res = CliRunner().invoke(main, ["run", str(p)])
     assert res.exit_code == 2, res.output
-    assert "pre-flight" in res.output and "quantize:gptq needs about" in res.output and "is available" in res.output and "to fit:" in res.output
+    assert (
+        "pre-flight" in res.output
+        and "quantize:gptq needs about" in res.output
+        and "is available" in res.output
+        and "to fit:" in res.output
+    )
     assert "Traceback" not in res.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
     res = CliRunner().invoke(main, ["run", "--dry-run", str(p)])  # the plan shows it, and runs nothing
@@ -182,7 +245,12 @@ def test_the_demo_fits_a_24_gib_machine(tiny):
     est = preflight.estimate(r, steps, r.base.model, gpu=None, ram_available=12 * GIB)
     assert set(est) == {s.id for s in steps}
     disk = {"path": "/", "free_bytes": 12 * GIB, "dev": 1}
-    assert preflight.problems(r, est, {"ram_bytes": 12 * GIB, "gpu": None, "disk": {"cache": disk, "output": disk}}, set(est)) == []
+    assert (
+        preflight.problems(
+            r, est, {"ram_bytes": 12 * GIB, "gpu": None, "disk": {"cache": disk, "output": disk}}, set(est)
+        )
+        == []
+    )
 
 
 def test_gpu_evaluation_with_vllm_reserves_its_share(tmp_path):
@@ -194,9 +262,15 @@ def test_gpu_evaluation_with_vllm_reserves_its_share(tmp_path):
     assert est["evaluate:baseline"]["gpu_bytes"] == 20 * GIB
     have = {"ram_bytes": 64 * GIB, "gpu": {"total_bytes": 80 * GIB, "free_bytes": 10 * GIB}, "disk": {}}
     bad = preflight.problems(r, est, have, {"evaluate:baseline"})
-    assert any(p.startswith("evaluate:baseline needs about 20.00 GiB of GPU memory") and "evaluation.lm_eval.gpu_memory_utilization" in p for p in bad), bad
+    assert any(
+        p.startswith("evaluate:baseline needs about 20.00 GiB of GPU memory")
+        and "evaluation.lm_eval.gpu_memory_utilization" in p
+        for p in bad
+    ), bad
     default = recipe(tmp_path, m, evaluation={"lm_eval": {"tasks": ["t"], "backend": "vllm"}})
-    assert preflight.estimate(default, build_steps(default, str(m)), str(m), gpu=gpu)["evaluate:baseline"]["gpu_bytes"] == int(0.9 * 80 * GIB)
+    assert preflight.estimate(default, build_steps(default, str(m)), str(m), gpu=gpu)["evaluate:baseline"][
+        "gpu_bytes"
+    ] == int(0.9 * 80 * GIB)
 
 
 def test_gpu_memory_is_read_for_the_gpu_cuda_visible_devices_names(tmp_path, monkeypatch):
@@ -211,4 +285,3 @@ def test_gpu_memory_is_read_for_the_gpu_cuda_visible_devices_names(tmp_path, mon
     assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 81000 * 2**20}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 2048 * 2**20}
-

@@ -36,11 +36,20 @@ HELDOUT_DOCS, HELDOUT_LEN = 32, 128
 
 
 def make_recipe(tiny, **artifacts) -> Recipe:
-    return Recipe.model_validate({
-        "name": "test-quantize", "output_dir": "/tmp/unused", "base": {"model": str(tiny.llama)},
-        "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 32, "max_seq_len": 128, "seed": 0},
-        "artifacts": [{"name": n, **a} for n, a in artifacts.items()],
-    })
+    return Recipe.model_validate(
+        {
+            "name": "test-quantize",
+            "output_dir": "/tmp/unused",
+            "base": {"model": str(tiny.llama)},
+            "calibration": {
+                "sources": [{"path": str(tiny.calibration)}],
+                "num_samples": 32,
+                "max_seq_len": 128,
+                "seed": 0,
+            },
+            "artifacts": [{"name": n, **a} for n, a in artifacts.items()],
+        }
+    )
 
 
 def weights_sha256(d: Path) -> str:
@@ -106,7 +115,9 @@ def quality(tiny, built):
     for name, r in table.items():
         wall = f"{built[name][2]:6.1f} s" if name in built else "       "
         size = built[name][1]["weights_bytes"] if name in built else None
-        print(f"  {name:<11} KL {r['kl']:.3e}  ppl {r['ppl']:8.3f}  top1 {r['top1']:.4f}  {wall}  weights {size or '-'}")
+        print(
+            f"  {name:<11} KL {r['kl']:.3e}  ppl {r['ppl']:8.3f}  top1 {r['top1']:.4f}  {wall}  weights {size or '-'}"
+        )
     return table
 
 
@@ -120,8 +131,15 @@ def test_artifact_loads_and_generates(name, built, tiny):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, metrics, _ = built[name]
-    for f in ("config.json", "recipe.yaml", "llmcompressor_recipe.json", "calibration.json", "tokenizer.json",
-              "tokenizer_config.json", "generation_config.json"):
+    for f in (
+        "config.json",
+        "recipe.yaml",
+        "llmcompressor_recipe.json",
+        "calibration.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (d / f).is_file(), f"{name}: {f} missing"
     for f in ("tokenizer.json", "generation_config.json"):  # copied verbatim from the source model
         assert (d / f).read_bytes() == (Path(tiny.llama) / f).read_bytes()
@@ -133,7 +151,7 @@ def test_artifact_loads_and_generates(name, built, tiny):
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16)
     prompt = tok("The", return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
-    new = out[0, prompt["input_ids"].shape[1]:]
+    new = out[0, prompt["input_ids"].shape[1] :]
     assert len(new) >= 1 and tok.decode(new, skip_special_tokens=True).strip()
 
     base = AutoModelForCausalLM.from_pretrained(tiny.llama, dtype=torch.bfloat16)
@@ -166,7 +184,11 @@ def test_quantization_configs(built):
         assert q["ignore"] == ["lm_head"]
 
     fp8 = _qconfig(built["fp8"][0])["config_groups"]["group_0"]
-    assert fp8["weights"]["type"] == "float" and fp8["weights"]["num_bits"] == 8 and fp8["weights"]["strategy"] == "channel"
+    assert (
+        fp8["weights"]["type"] == "float"
+        and fp8["weights"]["num_bits"] == 8
+        and fp8["weights"]["strategy"] == "channel"
+    )
     assert fp8["input_activations"]["dynamic"] is True and fp8["input_activations"]["strategy"] == "token"
     assert str(tensors("fp8")["model.layers.0.mlp.down_proj.weight"].dtype) == "torch.float8_e4m3fn"
 
@@ -193,8 +215,12 @@ def test_quantization_configs(built):
 
 @pytest.mark.slow
 def test_recipe_files(built):
-    for name, modifiers in {"awq": ["AWQModifier", "QuantizationModifier"], "gptq": ["GPTQModifier"],
-                            "w8a8": ["SmoothQuantModifier", "GPTQModifier"], "rtn": ["QuantizationModifier"]}.items():
+    for name, modifiers in {
+        "awq": ["AWQModifier", "QuantizationModifier"],
+        "gptq": ["GPTQModifier"],
+        "w8a8": ["SmoothQuantModifier", "GPTQModifier"],
+        "rtn": ["QuantizationModifier"],
+    }.items():
         d = built[name][0]
         applied = json.loads((d / "llmcompressor_recipe.json").read_text())
         assert list(applied["default_stage"]["default_modifiers"]) == modifiers
@@ -380,21 +406,52 @@ def test_layer_updates_run_on_one_thread_without_an_accelerator_and_give_the_thr
 def _recipe_for(tmp_path, **artifact) -> Recipe:
     (tmp_path / "m").mkdir(exist_ok=True)
     (tmp_path / "cal.jsonl").write_text('{"text": "x"}\n')
-    return Recipe.model_validate({
-        "name": "t", "output_dir": str(tmp_path), "base": {"model": str(tmp_path / "m")},
-        "calibration": {"sources": [{"path": str(tmp_path / "cal.jsonl")}]},
-        "artifacts": [{"name": "a", **artifact}],
-    })
+    return Recipe.model_validate(
+        {
+            "name": "t",
+            "output_dir": str(tmp_path),
+            "base": {"model": str(tmp_path / "m")},
+            "calibration": {"sources": [{"path": str(tmp_path / "cal.jsonl")}]},
+            "artifacts": [{"name": "a", **artifact}],
+        }
+    )
 
 
-@pytest.mark.parametrize("artifact,expect", [
-    ({"method": "awq"}, {"mods": ["AWQModifier", "QuantizationModifier"], "bits": 4, "group": 128, "sym": False, "scheme": "W4A16_ASYM"}),
-    ({"method": "awq", "symmetric": True, "group_size": 64}, {"mods": ["AWQModifier", "QuantizationModifier"], "bits": 4, "group": 64, "sym": True, "scheme": "W4A16"}),
-    ({"method": "gptq", "bits": 8, "group_size": None, "actorder": None}, {"mods": ["GPTQModifier"], "bits": 8, "group": None, "sym": True, "scheme": "W8A16"}),
-    ({"method": "rtn", "group_size": 32}, {"mods": ["QuantizationModifier"], "bits": 4, "group": 32, "sym": True, "scheme": "W4A16"}),
-    ({"method": "rtn", "symmetric": False, "bits": 8}, {"mods": ["QuantizationModifier"], "bits": 8, "group": 128, "sym": False, "scheme": "W8A16_ASYM"}),
-    ({"method": "w8a8-int8", "smoothing_strength": 0.5}, {"mods": ["SmoothQuantModifier", "GPTQModifier"], "bits": 8, "group": None, "sym": True, "scheme": "W8A8"}),
-])
+@pytest.mark.parametrize(
+    "artifact,expect",
+    [
+        (
+            {"method": "awq"},
+            {
+                "mods": ["AWQModifier", "QuantizationModifier"],
+                "bits": 4,
+                "group": 128,
+                "sym": False,
+                "scheme": "W4A16_ASYM",
+            },
+        ),
+        (
+            {"method": "awq", "symmetric": True, "group_size": 64},
+            {"mods": ["AWQModifier", "QuantizationModifier"], "bits": 4, "group": 64, "sym": True, "scheme": "W4A16"},
+        ),
+        (
+            {"method": "gptq", "bits": 8, "group_size": None, "actorder": None},
+            {"mods": ["GPTQModifier"], "bits": 8, "group": None, "sym": True, "scheme": "W8A16"},
+        ),
+        (
+            {"method": "rtn", "group_size": 32},
+            {"mods": ["QuantizationModifier"], "bits": 4, "group": 32, "sym": True, "scheme": "W4A16"},
+        ),
+        (
+            {"method": "rtn", "symmetric": False, "bits": 8},
+            {"mods": ["QuantizationModifier"], "bits": 8, "group": 128, "sym": False, "scheme": "W8A16_ASYM"},
+        ),
+        (
+            {"method": "w8a8-int8", "smoothing_strength": 0.5},
+            {"mods": ["SmoothQuantModifier", "GPTQModifier"], "bits": 8, "group": None, "sym": True, "scheme": "W8A8"},
+        ),
+    ],
+)
 def test_modifiers_follow_the_recipe(artifact, expect, tmp_path):
     from quantpipe.stages.quantize import build_modifiers, scheme_name
 

@@ -52,13 +52,23 @@ def test_the_local_executor_never_imports_ray(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"\0" * 8)
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"name": "t", "output_dir": "out", "base": {"model": "m"},
-                                                     "artifacts": [{"name": "f", "method": "fp8"}]}))
-    code = ("import sys; from click.testing import CliRunner; from quantpipe.cli import main; import quantpipe.run.matrix\n"
-            f"r = CliRunner().invoke(main, ['run', '--dry-run', {str(tmp_path / 'r.yaml')!r}]); assert r.exit_code == 0, r.output\n"
-            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "QUANTPIPE_CACHE": str(tmp_path / "cache")})
+    (tmp_path / "r.yaml").write_text(
+        yaml.safe_dump(
+            {"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]}
+        )
+    )
+    code = (
+        "import sys; from click.testing import CliRunner; from quantpipe.cli import main; import quantpipe.run.matrix\n"
+        f"r = CliRunner().invoke(main, ['run', '--dry-run', {str(tmp_path / 'r.yaml')!r}]); assert r.exit_code == 0, r.output\n"
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QUANTPIPE_CACHE": str(tmp_path / "cache")},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
@@ -68,13 +78,19 @@ def test_ray_options_are_refused_without_ray_and_an_unreachable_cluster_in_one_s
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"\0" * 8)
     r = tmp_path / "r.yaml"
-    r.write_text(yaml.safe_dump({"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]}))
+    r.write_text(
+        yaml.safe_dump(
+            {"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]}
+        )
+    )
     res = CliRunner().invoke(main, ["run", str(r), "--address", "127.0.0.1:1"])
     assert res.exit_code == 2 and "--executor ray" in res.output
     res = CliRunner().invoke(main, ["run", str(r), "--executor", "ray", "--gpus", "0"])
     assert res.exit_code == 2 and "drop --gpus" in res.output
     with socket_free() as port:
-        res = CliRunner().invoke(main, ["run", str(r), "--executor", "ray", "--address", f"127.0.0.1:{port}", "--cache", str(tmp_path / "c")])
+        res = CliRunner().invoke(
+            main, ["run", str(r), "--executor", "ray", "--address", f"127.0.0.1:{port}", "--cache", str(tmp_path / "c")]
+        )
     assert res.exit_code == 2 and "no Ray cluster answers there" in res.output, res.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()
 
@@ -84,9 +100,14 @@ def test_two_recipes_with_one_output_dir_are_refused_before_anything_is_written(
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     (tmp_path / "m" / "model.safetensors").write_bytes(b"\0" * 8)
     for n in ("a", "b"):
-        (tmp_path / f"{n}.yaml").write_text(yaml.safe_dump({"name": n, "output_dir": "out", "base": {"model": "m"},
-                                                            "artifacts": [{"name": "f", "method": "fp8"}]}))
-    res = CliRunner().invoke(main, ["run", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--cache", str(tmp_path / "c")])
+        (tmp_path / f"{n}.yaml").write_text(
+            yaml.safe_dump(
+                {"name": n, "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]}
+            )
+        )
+    res = CliRunner().invoke(
+        main, ["run", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--cache", str(tmp_path / "c")]
+    )
     assert res.exit_code == 2 and "give each recipe its own output_dir" in res.output, res.output
     assert not (tmp_path / "out").exists() and not (tmp_path / "c").exists()
 
@@ -98,20 +119,41 @@ def test_ray_requests_are_what_the_local_scheduler_would_grant():
 
     gib = 2**30
     c = RayCluster()
-    c.nodes = {"a": {"alive": True, "resources": {"CPU": 16, "GPU": 2, "memory": 100 * gib}, "gpus": [{"total_bytes": 80 * gib}] * 2},
-               "b": {"alive": True, "resources": {"CPU": 16, "GPU": 8, "memory": 200 * gib}, "gpus": [{"total_bytes": 141 * gib}] * 8},
-               "gone": {"alive": False, "resources": {"CPU": 99, "GPU": 99}, "gpus": [{"total_bytes": 1 * gib}]}}
+    c.nodes = {
+        "a": {
+            "alive": True,
+            "resources": {"CPU": 16, "GPU": 2, "memory": 100 * gib},
+            "gpus": [{"total_bytes": 80 * gib}] * 2,
+        },
+        "b": {
+            "alive": True,
+            "resources": {"CPU": 16, "GPU": 8, "memory": 200 * gib},
+            "gpus": [{"total_bytes": 141 * gib}] * 8,
+        },
+        "gone": {"alive": False, "resources": {"CPU": 99, "GPU": 99}, "gpus": [{"total_bytes": 1 * gib}]},
+    }
     assert c.request("benchmark", {"ram_bytes": 6 * gib}, tp=2) == {"num_cpus": 1, "num_gpus": 2, "memory": 6 * gib}
-    assert c.request("quantize", {"ram_bytes": 30 * gib, "gpu_bytes": 20 * gib})["num_gpus"] == 0.25  # 20 of the smallest GPU's 80 GiB
-    assert c.request("evaluate", {"ram_bytes": 90 * gib})["num_gpus"] == 1  # no GPU estimate: its RAM estimate, at most a whole GPU
+    assert (
+        c.request("quantize", {"ram_bytes": 30 * gib, "gpu_bytes": 20 * gib})["num_gpus"] == 0.25
+    )  # 20 of the smallest GPU's 80 GiB
+    assert (
+        c.request("evaluate", {"ram_bytes": 90 * gib})["num_gpus"] == 1
+    )  # no GPU estimate: its RAM estimate, at most a whole GPU
     assert c.request("evaluate", {"ram_bytes": 100})["num_gpus"] == 0.01
     assert c.request("merge", {"ram_bytes": 40 * gib}) == {"num_cpus": 1, "num_gpus": 0, "memory": 40 * gib}
     assert c.infeasible("merge", c.request("merge", {"ram_bytes": 150 * gib})) is None  # node b holds it
     why = c.infeasible("merge", c.request("merge", {"ram_bytes": 300 * gib}))
     assert why.startswith("merge asks Ray for") and "memory 200.0 GiB" in why
-    c.nodes = {"a": {"alive": True, "resources": {"CPU": 8, "memory": 32 * gib}}, "b": {"alive": True, "resources": {"CPU": 4, "memory": 32 * gib}},
-               "head": {"alive": True, "resources": {"CPU": 0}}}
-    assert c.request("quantize", {"ram_bytes": gib}) == {"num_cpus": 4, "num_gpus": 0, "memory": gib}  # a whole (the smallest) node
+    c.nodes = {
+        "a": {"alive": True, "resources": {"CPU": 8, "memory": 32 * gib}},
+        "b": {"alive": True, "resources": {"CPU": 4, "memory": 32 * gib}},
+        "head": {"alive": True, "resources": {"CPU": 0}},
+    }
+    assert c.request("quantize", {"ram_bytes": gib}) == {
+        "num_cpus": 4,
+        "num_gpus": 0,
+        "memory": gib,
+    }  # a whole (the smallest) node
 
 
 class socket_free:
@@ -141,18 +183,31 @@ def cluster():
 
 
 def write_recipe(path: Path, tiny, out: Path, *artifacts: dict, name: str | None = None) -> Path:
-    path.write_text(yaml.safe_dump({
-        "name": name or path.stem, "output_dir": str(out), "base": {"model": str(tiny.llama)}, "adapters": [{"path": str(tiny.llama_lora)}],
-        "artifacts": list(artifacts), "benchmark": {"enabled": False},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": name or path.stem,
+                "output_dir": str(out),
+                "base": {"model": str(tiny.llama)},
+                "adapters": [{"path": str(tiny.llama_lora)}],
+                "artifacts": list(artifacts),
+                "benchmark": {"enabled": False},
+            }
+        )
+    )
     return path
 
 
 def quantpipe(*args: str, cluster, tmp: Path, label: str) -> subprocess.Popen:
     env = {**os.environ, MARK: cluster.mark, "TMPDIR": str(tmp)}
     err = open(tmp / f"{label}.stderr", "w")
-    return subprocess.Popen([sys.executable, "-m", "quantpipe", "run", *args, "--executor", "ray", "--address", cluster.address],
-                            stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "quantpipe", "run", *args, "--executor", "ray", "--address", cluster.address],
+        stdout=err,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
 
 
 def finish(p: subprocess.Popen, tmp: Path, label: str, timeout_s: float = 1200) -> tuple[int, str]:
@@ -191,7 +246,9 @@ def assert_entries_verify(cache: Path) -> None:
 
 
 def verify(package: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "quantpipe", "verify", str(package)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "verify", str(package)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -203,13 +260,21 @@ def built(rec: dict) -> dict[str, dict]:
 def test_two_recipes_with_the_local_executor_share_the_merge_and_get_one_index(tiny, tmp_path):
     a = write_recipe(tmp_path / "ra.yaml", tiny, tmp_path / "out" / "ra", {"name": "fp8", "method": "fp8"})
     b = write_recipe(tmp_path / "rb.yaml", tiny, tmp_path / "out" / "rb", {"name": "rtn", "method": "rtn"})
-    r = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(a), str(b), "--cache", str(tmp_path / "cache")],
-                       capture_output=True, text=True, timeout=1200, env={**os.environ, "TMPDIR": str(tmp_path)})
+    r = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", str(a), str(b), "--cache", str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     ra, rb = record(tmp_path / "out" / "ra"), record(tmp_path / "out" / "rb")
     assert (ra["stages"]["merge"]["cache"], rb["stages"]["merge"]["cache"]) == ("miss", "hit")
     index = json.loads((tmp_path / "out" / "matrix.json").read_text())
-    assert [(e["name"], e["status"], e["reused"]) for e in index["recipes"]] == [("ra", "ok", {}), ("rb", "ok", {"merge": "ra"})]
+    assert [(e["name"], e["status"], e["reused"]) for e in index["recipes"]] == [
+        ("ra", "ok", {}),
+        ("rb", "ok", {"merge": "ra"}),
+    ]
     assert index["executor"] == "local" and (tmp_path / "out" / "matrix.html").is_file()
     verify(tmp_path / "out" / "rb" / "packages" / "rtn")
 
@@ -221,7 +286,11 @@ def test_a_merge_through_a_one_node_cluster_is_placed_and_committed(tiny, tmp_pa
     r = write_recipe(tmp_path / "r.yaml", tiny, tmp_path / "out", {"name": "fp8", "method": "fp8"})
     cache = tmp_path / "cache"
     with ray_cluster(1, num_cpus=1) as one:
-        rc, err = finish(quantpipe(str(r), "--stages", "merge", "--cache", str(cache), cluster=one, tmp=tmp_path, label="merge"), tmp_path, "merge")
+        rc, err = finish(
+            quantpipe(str(r), "--stages", "merge", "--cache", str(cache), cluster=one, tmp=tmp_path, label="merge"),
+            tmp_path,
+            "merge",
+        )
     assert rc == 0, err[-4000:]
     rec = record(tmp_path / "out")
     merge = rec["stages"]["merge"]
@@ -237,7 +306,11 @@ def test_a_two_recipe_matrix_on_two_nodes_builds_every_entry_once(tiny, tmp_path
     a = write_recipe(tmp_path / "ra.yaml", tiny, tmp_path / "out" / "ra", {"name": "fp8", "method": "fp8"})
     b = write_recipe(tmp_path / "rb.yaml", tiny, tmp_path / "out" / "rb", {"name": "rtn", "method": "rtn"})
     cache = tmp_path / "cache"
-    rc, err = finish(quantpipe(str(a), str(b), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="matrix"), tmp_path, "matrix")
+    rc, err = finish(
+        quantpipe(str(a), str(b), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="matrix"),
+        tmp_path,
+        "matrix",
+    )
     assert rc == 0, err[-4000:]
     ra, rb = record(tmp_path / "out" / "ra"), record(tmp_path / "out" / "rb")
     assert ra["status"] == rb["status"] == "ok"
@@ -245,9 +318,18 @@ def test_a_two_recipe_matrix_on_two_nodes_builds_every_entry_once(tiny, tmp_path
     assert sorted([ra["stages"]["merge"]["cache"], rb["stages"]["merge"]["cache"]]) == ["hit", "miss"]
     assert ra["stages"]["merge"]["key"] == rb["stages"]["merge"]["key"]
     mine = {**{f"ra/{k}": v for k, v in built(ra).items()}, **{f"rb/{k}": v for k, v in built(rb).items()}}
-    assert sorted(k.split("/")[1] for k in mine) == ["merge", "package:fp8", "package:rtn", "quantize:fp8", "quantize:rtn"]
+    assert sorted(k.split("/")[1] for k in mine) == [
+        "merge",
+        "package:fp8",
+        "package:rtn",
+        "quantize:fp8",
+        "quantize:rtn",
+    ]
     assert set(committed(cache)) == {"merge", "quantize:fp8", "quantize:rtn", "package:fp8", "package:rtn"}
-    for sid, st in mine.items():  # each ran exactly once, as one Ray task, with the resources the local scheduler would grant
+    for (
+        sid,
+        st,
+    ) in mine.items():  # each ran exactly once, as one Ray task, with the resources the local scheduler would grant
         p = st["placement"]
         assert len(p["attempts"]) == 1, (sid, p["attempts"])
         gpu = p["request"]["num_gpus"]
@@ -277,18 +359,42 @@ def test_an_evaluation_and_its_benchmark_are_one_task_with_one_server(tiny, tmp_
     """Backend vllm on the cluster: each model's evaluate and benchmark stages are one Ray task, one `vllm serve` start,
     and both entries are committed on the node, each under its own key."""
     path = tmp_path / "rv.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "rv", "output_dir": str(tmp_path / "out"), "base": {"model": str(tiny.llama), "dtype": "bfloat16"},
-        "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
-        "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 16, "max_seq_len": 64},
-        "evaluation": {"lm_eval": {"tasks": ["tiny_facts_mc"], "include_path": str(tiny.tasks), "limit": 16, "backend": "vllm"}},
-        "benchmark": {"engine": {"max_model_len": 512, "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456},
-                      "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}],
-                      "concurrency": [1]},
-        "package": {"enabled": False},
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "rv",
+                "output_dir": str(tmp_path / "out"),
+                "base": {"model": str(tiny.llama), "dtype": "bfloat16"},
+                "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
+                "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 16, "max_seq_len": 64},
+                "evaluation": {
+                    "lm_eval": {
+                        "tasks": ["tiny_facts_mc"],
+                        "include_path": str(tiny.tasks),
+                        "limit": 16,
+                        "backend": "vllm",
+                    }
+                },
+                "benchmark": {
+                    "engine": {
+                        "max_model_len": 512,
+                        "max_num_seqs": 8,
+                        "enforce_eager": True,
+                        "kv_cache_memory_bytes": 268435456,
+                    },
+                    "workloads": [
+                        {"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}
+                    ],
+                    "concurrency": [1],
+                },
+                "package": {"enabled": False},
+            }
+        )
+    )
     cache = tmp_path / "cache"
-    rc, err = finish(quantpipe(str(path), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="joint"), tmp_path, "joint")
+    rc, err = finish(
+        quantpipe(str(path), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="joint"), tmp_path, "joint"
+    )
     assert rc == 0, err[-4000:]
     rec = record(tmp_path / "out")
     for m in ("baseline", "int8"):
@@ -307,15 +413,23 @@ def test_an_evaluation_and_its_benchmark_are_one_task_with_one_server(tiny, tmp_
 @pytest.mark.long
 def test_a_node_without_the_environments_is_refused_by_its_address(tiny, tmp_path, cluster):
     saved = os.environ.get("QUANTPIPE_PYTHON_QUANTIZE")
-    os.environ["QUANTPIPE_PYTHON_QUANTIZE"] = str(tmp_path / "nowhere" / "python")  # this node's `ray start` has no quantize environment
+    os.environ["QUANTPIPE_PYTHON_QUANTIZE"] = str(
+        tmp_path / "nowhere" / "python"
+    )  # this node's `ray start` has no quantize environment
     try:
         bare = cluster.cluster.add_node(**cluster.node)
     finally:
-        os.environ.pop("QUANTPIPE_PYTHON_QUANTIZE") if saved is None else os.environ.__setitem__("QUANTPIPE_PYTHON_QUANTIZE", saved)
+        os.environ.pop("QUANTPIPE_PYTHON_QUANTIZE") if saved is None else os.environ.__setitem__(
+            "QUANTPIPE_PYTHON_QUANTIZE", saved
+        )
     try:
         a = write_recipe(tmp_path / "ra.yaml", tiny, tmp_path / "out", {"name": "fp8", "method": "fp8"})
-        rc, err = finish(quantpipe(str(a), "--cache", str(tmp_path / "cache"), cluster=cluster, tmp=tmp_path, label="refused"),
-                         tmp_path, "refused", timeout_s=300)
+        rc, err = finish(
+            quantpipe(str(a), "--cache", str(tmp_path / "cache"), cluster=cluster, tmp=tmp_path, label="refused"),
+            tmp_path,
+            "refused",
+            timeout_s=300,
+        )
         assert rc == 2, err[-3000:]
         assert f"127.0.0.1:{bare.node_manager_port}" in err and "'quantize' environment is missing" in err, err[-3000:]
         assert "Traceback" not in err
@@ -344,7 +458,11 @@ def stage_workers(mark: str, stage: str, node_id: str | None = None) -> list[psu
             cmd = p.cmdline()
         except psutil.Error:
             continue
-        if any(c.endswith("worker.py") for c in cmd) and needle in cmd[-1] and (node_id is None or f".ray-{node_id[:12]}-" in cmd[-1]):
+        if (
+            any(c.endswith("worker.py") for c in cmd)
+            and needle in cmd[-1]
+            and (node_id is None or f".ray-{node_id[:12]}-" in cmd[-1])
+        ):
             out.append(p)
     return out
 
@@ -356,7 +474,9 @@ def until(what: str, cond, proc: subprocess.Popen, tmp: Path, label: str, timeou
         if v:
             return v
         if proc.poll() is not None:
-            pytest.fail(f"{label} ended (exit {proc.returncode}) before {what}:\n{(tmp / f'{label}.stderr').read_text()[-3000:]}")
+            pytest.fail(
+                f"{label} ended (exit {proc.returncode}) before {what}:\n{(tmp / f'{label}.stderr').read_text()[-3000:]}"
+            )
         time.sleep(0.05)
     pytest.fail(f"{label}: no {what} after {timeout_s:.0f} s")
 
@@ -368,7 +488,9 @@ def test_a_killed_driver_then_two_drivers_on_one_cache_reuse_and_build_each_entr
     r1 = write_recipe(tmp_path / "r1.yaml", tiny, tmp_path / "out1", {"name": "fp8", "method": "fp8"}, name="shared")
     r2 = write_recipe(tmp_path / "r2.yaml", tiny, tmp_path / "out2", {"name": "fp8", "method": "fp8"}, name="shared")
     first = quantpipe(str(r1), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="killed")
-    worker = until("a quantize stage under way", lambda: stage_workers(cluster.mark, "quantize:fp8"), first, tmp_path, "killed")[0]
+    worker = until(
+        "a quantize stage under way", lambda: stage_workers(cluster.mark, "quantize:fp8"), first, tmp_path, "killed"
+    )[0]
     first.send_signal(signal.SIGKILL)  # kill -9 of the driver while a node builds quantize:fp8
     first.wait()
     psutil.wait_procs([worker], timeout=60)
@@ -394,11 +516,17 @@ def test_a_killed_driver_then_two_drivers_on_one_cache_reuse_and_build_each_entr
 @pytest.mark.slow
 @pytest.mark.long
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
-def test_a_signalled_driver_stops_its_stages_records_the_interrupt_and_commits_nothing_of_them(tiny, tmp_path, tmp_path_factory, cluster, sig):
-    cache = tmp_path_factory.getbasetemp() / "signalled-cache"  # one cache for both signals: the second run finds the merge committed
+def test_a_signalled_driver_stops_its_stages_records_the_interrupt_and_commits_nothing_of_them(
+    tiny, tmp_path, tmp_path_factory, cluster, sig
+):
+    cache = (
+        tmp_path_factory.getbasetemp() / "signalled-cache"
+    )  # one cache for both signals: the second run finds the merge committed
     r = write_recipe(tmp_path / "sig.yaml", tiny, tmp_path / "out", {"name": "fp8", "method": "fp8"})
     run = quantpipe(str(r), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="sig")
-    workers = until("a quantize stage under way", lambda: stage_workers(cluster.mark, "quantize:fp8"), run, tmp_path, "sig")
+    workers = until(
+        "a quantize stage under way", lambda: stage_workers(cluster.mark, "quantize:fp8"), run, tmp_path, "sig"
+    )
     t0 = time.monotonic()
     run.send_signal(sig)
     rc, err = finish(run, tmp_path, "sig", timeout_s=120)
@@ -421,7 +549,13 @@ def test_a_signalled_driver_stops_its_stages_records_the_interrupt_and_commits_n
 @pytest.mark.long
 def test_a_node_lost_mid_quantize_is_retried_elsewhere_and_the_run_ends_ok(tiny, tmp_path, cluster):
     cache = tmp_path / "cache"
-    r = write_recipe(tmp_path / "lost.yaml", tiny, tmp_path / "out", {"name": "fp8", "method": "fp8"}, {"name": "rtn", "method": "rtn"})
+    r = write_recipe(
+        tmp_path / "lost.yaml",
+        tiny,
+        tmp_path / "out",
+        {"name": "fp8", "method": "fp8"},
+        {"name": "rtn", "method": "rtn"},
+    )
     run = quantpipe(str(r), "--cache", str(cache), cluster=cluster, tmp=tmp_path, label="lost")
     second = cluster.second
 

@@ -38,7 +38,12 @@ def good(tmp_path) -> dict:
         "base": {"model": "model"},
         "adapters": [{"path": "adapter"}],
         "calibration": {"sources": [{"path": "cal.jsonl"}], "num_samples": 4, "max_seq_len": 64},
-        "artifacts": [{"name": "a", "method": "awq"}, {"name": "g", "method": "gptq"}, {"name": "f", "method": "fp8"}, {"name": "i", "method": "w8a8-int8"}],
+        "artifacts": [
+            {"name": "a", "method": "awq"},
+            {"name": "g", "method": "gptq"},
+            {"name": "f", "method": "fp8"},
+            {"name": "i", "method": "w8a8-int8"},
+        ],
     }
 
 
@@ -68,21 +73,32 @@ def test_hub_id_is_not_treated_as_a_path(fake):
 BAD = {
     "unknown key": (lambda d: d["base"].update(dtpye="bfloat16"), "base.dtpye: unknown key"),
     "wrong type": (lambda d: d["calibration"].update(num_samples="many"), "calibration.num_samples"),
-    "unknown method": (lambda d: d["artifacts"].append({"name": "x", "method": "bitsandbytes"}), "unknown method 'bitsandbytes'"),
+    "unknown method": (
+        lambda d: d["artifacts"].append({"name": "x", "method": "bitsandbytes"}),
+        "unknown method 'bitsandbytes'",
+    ),
     "missing method": (lambda d: d["artifacts"].append({"name": "x"}), "missing `method`"),
     "empty artifacts": (lambda d: d.update(artifacts=[]), "artifacts"),
     "adapter not an adapter": (lambda d: d["adapters"][0].update(path="model"), "is not a LoRA adapter"),
     "missing model": (lambda d: d["base"].update(model="./nope"), "base.model"),
-    "missing calibration file": (lambda d: d["calibration"]["sources"][0].update(path="nope.jsonl"), "calibration.sources.0.path"),
+    "missing calibration file": (
+        lambda d: d["calibration"]["sources"][0].update(path="nope.jsonl"),
+        "calibration.sources.0.path",
+    ),
     "negative size": (lambda d: d["calibration"].update(max_seq_len=-5), "calibration.max_seq_len"),
     "absurd group size": (lambda d: d["artifacts"][0].update(group_size=100), "group_size"),
     "duplicate names": (lambda d: d["artifacts"].append({"name": "a", "method": "fp8"}), "unique"),
     "path-escaping name": (lambda d: d["artifacts"][0].update(name="../evil"), "artifact name"),
     "auto-gptq": (lambda d: d["artifacts"][1].update(backend="auto-gptq"), "gptqmodel"),
     "calibration missing": (lambda d: d.pop("calibration"), "need calibration data"),
-    "quantization flag": (lambda d: d.update(benchmark={"engine": {"extra_args": ["--quantization=awq"]}}), "--quantization"),
-    "gpu share for hf": (lambda d: d.update(evaluation={"lm_eval": {"tasks": ["t"], "backend": "hf", "gpu_memory_utilization": 0.3}}),
-                         "gpu_memory_utilization applies to the vllm backend only"),
+    "quantization flag": (
+        lambda d: d.update(benchmark={"engine": {"extra_args": ["--quantization=awq"]}}),
+        "--quantization",
+    ),
+    "gpu share for hf": (
+        lambda d: d.update(evaluation={"lm_eval": {"tasks": ["t"], "backend": "hf", "gpu_memory_utilization": 0.3}}),
+        "gpu_memory_utilization applies to the vllm backend only",
+    ),
     "empty notes": (lambda d: d.update(notes=""), "notes: String should have at least 1 character"),
     "notes too long": (lambda d: d.update(notes="x" * 2001), "notes: String should have at most 2000 characters"),
 }
@@ -106,8 +122,11 @@ def test_bad_recipe_names_the_field_and_writes_nothing(fake, case):
     [
         ("name: t\nbase: {model: model\n", "not valid YAML at line"),
         ("- just\n- a list\n", "a recipe is a YAML mapping"),
-        ("a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
-         "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n", "alias bomb"),
+        (
+            "a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+            "d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]\n",
+            "alias bomb",
+        ),
         ("!!python/object/apply:os.system ['echo pwned']\n", "not valid YAML"),
     ],
 )
@@ -138,7 +157,7 @@ def test_check_prints_resolved_recipe(fake):
     res = CliRunner().invoke(main, ["check", str(write(fake, good(fake)))])  # click 8.2+: stdout apart from stderr
     assert res.exit_code == 0
     start = res.stdout.index("{")
-    resolved = json.loads(res.stdout[start: res.stdout.rindex("}") + 1])
+    resolved = json.loads(res.stdout[start : res.stdout.rindex("}") + 1])
     assert resolved["artifacts"][0]["group_size"] == 128
     assert Recipe.model_validate(resolved).name == "t"
 
@@ -211,4 +230,3 @@ def test_python_dash_m_works():
 def test_parse_rejects_huge_input(tmp_path):
     with pytest.raises(RecipeError, match="larger than 1 MiB"):
         parse("a: " + "x" * (2 << 20), tmp_path)
-

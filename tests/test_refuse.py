@@ -25,10 +25,27 @@ from helpers.fakes import TASK_YAML, safetensors
 
 from quantpipe.cli import main
 
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
-         "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 768, "vocab_size": 1024, "max_position_embeddings": 1024,
-         "tie_word_embeddings": False}
-SMOLLM2 = {**LLAMA, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 768,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+SMOLLM2 = {
+    **LLAMA,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+}
 
 
 def model(d: Path, config: dict, tokenizer: dict | None = None) -> Path:
@@ -36,8 +53,15 @@ def model(d: Path, config: dict, tokenizer: dict | None = None) -> Path:
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(config))
     h, i, o = config["hidden_size"], config["intermediate_size"], config["num_attention_heads"] * config["head_dim"]
-    safetensors(d / "model.safetensors", {"model.layers.0.self_attn.q_proj.weight": [o, h], "model.layers.0.self_attn.o_proj.weight": [h, o],
-                                          "model.layers.0.mlp.down_proj.weight": [h, i], "model.layers.0.mlp.up_proj.weight": [i, h]})
+    safetensors(
+        d / "model.safetensors",
+        {
+            "model.layers.0.self_attn.q_proj.weight": [o, h],
+            "model.layers.0.self_attn.o_proj.weight": [h, o],
+            "model.layers.0.mlp.down_proj.weight": [h, i],
+            "model.layers.0.mlp.up_proj.weight": [i, h],
+        },
+    )
     (d / "tokenizer_config.json").write_text(json.dumps(tokenizer or {"model_max_length": 1 << 40}))
     return d
 
@@ -47,32 +71,62 @@ def world(tmp_path) -> Path:
     model(tmp_path / "model", LLAMA)
     a = tmp_path / "adapter"
     a.mkdir()
-    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "someone/else"}))
-    safetensors(a / "adapter_model.safetensors", {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [8, 256],
-                                                  "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": [256, 8]})
+    (a / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 8, "base_model_name_or_path": "someone/else"})
+    )
+    safetensors(
+        a / "adapter_model.safetensors",
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [8, 256],
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": [256, 8],
+        },
+    )
     (tmp_path / "cal.jsonl").write_text("".join(json.dumps({"text": f"calibration row {i}"}) + "\n" for i in range(8)))
-    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "reference": str(i + 1)}) + "\n" for i in range(4)))
+    (tmp_path / "val.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "reference": str(i + 1)}) + "\n" for i in range(4))
+    )
     (tmp_path / "tasks").mkdir()
     (tmp_path / "tasks" / "refuse.jsonl").write_text(json.dumps({"q": "2+2=", "a": "4"}) + "\n")
-    (tmp_path / "tasks" / "refuse.yaml").write_text(TASK_YAML.format(name="refuse_task", data=tmp_path / "tasks" / "refuse.jsonl"))
+    (tmp_path / "tasks" / "refuse.yaml").write_text(
+        TASK_YAML.format(name="refuse_task", data=tmp_path / "tasks" / "refuse.jsonl")
+    )
     (tmp_path / "notes.txt").write_text("a file, not a folder\n")
     return tmp_path
 
 
 def good() -> dict:
     return {
-        "name": "refuse", "output_dir": "out",
+        "name": "refuse",
+        "output_dir": "out",
         "base": {"model": "model"},
         "adapters": [{"path": "adapter"}],
         "calibration": {"sources": [{"path": "cal.jsonl"}], "num_samples": 4, "max_seq_len": 64},
-        "artifacts": [{"name": "awq", "method": "awq", "group_size": 128, "n_grid": 5}, {"name": "gptq", "method": "gptq"},
-                      {"name": "rtn", "method": "rtn", "group_size": 64}, {"name": "fp8", "method": "fp8"}],
-        "evaluation": {"lm_eval": {"tasks": ["refuse_task"], "include_path": "tasks", "limit": 2},
-                       "validation": {"path": "val.jsonl"}, "gates": {"min_recovery": 0.9, "max_kl": 0.05}},
-        "benchmark": {"engine": {"max_model_len": 512},
-                      "workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 2},
-                                    {"name": "prefix", "kind": "shared_prefix", "prefix_len": 64, "input_len": 16, "output_len": 4, "num_prompts": 2}],
-                      "variants": [{"name": "eager", "engine": {"enforce_eager": True}}]},
+        "artifacts": [
+            {"name": "awq", "method": "awq", "group_size": 128, "n_grid": 5},
+            {"name": "gptq", "method": "gptq"},
+            {"name": "rtn", "method": "rtn", "group_size": 64},
+            {"name": "fp8", "method": "fp8"},
+        ],
+        "evaluation": {
+            "lm_eval": {"tasks": ["refuse_task"], "include_path": "tasks", "limit": 2},
+            "validation": {"path": "val.jsonl"},
+            "gates": {"min_recovery": 0.9, "max_kl": 0.05},
+        },
+        "benchmark": {
+            "engine": {"max_model_len": 512},
+            "workloads": [
+                {"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 2},
+                {
+                    "name": "prefix",
+                    "kind": "shared_prefix",
+                    "prefix_len": 64,
+                    "input_len": 16,
+                    "output_len": 4,
+                    "num_prompts": 2,
+                },
+            ],
+            "variants": [{"name": "eager", "engine": {"enforce_eager": True}}],
+        },
     }
 
 
@@ -109,7 +163,9 @@ def refused(world: Path, command: str, data, *needles: str) -> str:
     assert len(re.findall(r"^Error: ", out, re.M)) == 1, out
     for n in needles:
         assert n in out, f"{n!r} not in:\n{out}"
-    assert after == before, f"written: {sorted(set(after) ^ set(before)) or [k for k in after if after[k] != before.get(k)]}"
+    assert after == before, (
+        f"written: {sorted(set(after) ^ set(before)) or [k for k in after if after[k] != before.get(k)]}"
+    )
     assert not (world / "out").exists() and not (world / "cache").exists()
     return out
 
@@ -126,13 +182,31 @@ def test_the_good_recipe_passes_and_writes_nothing(world):
 # --- output_dir and the cache inside (or around) an input ------------------------------------------
 
 NESTED = {
-    "output inside base.model": (lambda d: d.update(output_dir="model/runs-here"), ["output_dir", "inside base.model", "outside"]),
+    "output inside base.model": (
+        lambda d: d.update(output_dir="model/runs-here"),
+        ["output_dir", "inside base.model", "outside"],
+    ),
     "output is base.model": (lambda d: d.update(output_dir="model"), ["output_dir", "the same folder as base.model"]),
-    "output inside an adapter": (lambda d: d.update(output_dir="adapter/out"), ["output_dir", "inside adapters.0.path"]),
-    "output inside the task folder": (lambda d: d.update(output_dir="tasks/out"), ["inside evaluation.lm_eval.include_path"]),
-    "output contains the inputs": (lambda d: d.update(output_dir="."), ["output_dir", "contains base.model", "folder of its own"]),
-    "cache inside base.model": (lambda d: d.update(cache_dir="model/cache"), ["cache_dir", "inside base.model", "outside it"]),
-    "cache is the task folder": (lambda d: d.update(cache_dir="tasks"), ["cache_dir", "the same folder as evaluation.lm_eval.include_path"]),
+    "output inside an adapter": (
+        lambda d: d.update(output_dir="adapter/out"),
+        ["output_dir", "inside adapters.0.path"],
+    ),
+    "output inside the task folder": (
+        lambda d: d.update(output_dir="tasks/out"),
+        ["inside evaluation.lm_eval.include_path"],
+    ),
+    "output contains the inputs": (
+        lambda d: d.update(output_dir="."),
+        ["output_dir", "contains base.model", "folder of its own"],
+    ),
+    "cache inside base.model": (
+        lambda d: d.update(cache_dir="model/cache"),
+        ["cache_dir", "inside base.model", "outside it"],
+    ),
+    "cache is the task folder": (
+        lambda d: d.update(cache_dir="tasks"),
+        ["cache_dir", "the same folder as evaluation.lm_eval.include_path"],
+    ),
 }
 
 
@@ -168,7 +242,9 @@ def test_an_input_inside_the_caches_own_entries_is_refused(world, command):
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("where,needle", [("notes.txt", "is a file; give a directory"), ("notes.txt/out", "cannot be created there")])
+@pytest.mark.parametrize(
+    "where,needle", [("notes.txt", "is a file; give a directory"), ("notes.txt/out", "cannot be created there")]
+)
 def test_output_dir_that_is_a_file_is_refused(world, command, where, needle):
     d = good()
     d["output_dir"] = where
@@ -182,7 +258,9 @@ def test_output_dir_that_is_a_file_is_refused(world, command, where, needle):
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-@pytest.mark.parametrize("task,hint", [("refuse_tsak", "'refuse_task'"), ("hellaswg", "'hellaswag'"), ("no_such_task_anywhere_x", None)])
+@pytest.mark.parametrize(
+    "task,hint", [("refuse_tsak", "'refuse_task'"), ("hellaswg", "'hellaswag'"), ("no_such_task_anywhere_x", None)]
+)
 def test_unknown_lm_eval_task_is_refused_with_the_nearest_names(world, command, task, hint):
     d = good()
     d["evaluation"]["lm_eval"]["tasks"] = ["refuse_task", task]
@@ -193,9 +271,18 @@ def test_unknown_lm_eval_task_is_refused_with_the_nearest_names(world, command, 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_task_whose_data_file_is_missing_is_refused_naming_the_file(world, command):
-    (world / "tasks" / "refuse.jsonl").rename(world / "moved.jsonl")  # a task folder copied or moved: its YAML keeps the old path
-    refused(world, command, good(), "evaluation.lm_eval.tasks", "task 'refuse_task' reads its data from", str(world / "tasks" / "refuse.jsonl"),
-            "dataset_kwargs.data_files")
+    (world / "tasks" / "refuse.jsonl").rename(
+        world / "moved.jsonl"
+    )  # a task folder copied or moved: its YAML keeps the old path
+    refused(
+        world,
+        command,
+        good(),
+        "evaluation.lm_eval.tasks",
+        "task 'refuse_task' reads its data from",
+        str(world / "tasks" / "refuse.jsonl"),
+        "dataset_kwargs.data_files",
+    )
 
 
 def test_builtin_lm_eval_tasks_are_found_without_the_full_index(world):
@@ -216,18 +303,35 @@ def test_per_task_gate_on_a_task_not_evaluated_is_refused(world, command):
 # --- workloads against max_model_len and the model's context ---------------------------------------
 
 WORKLOADS = {
-    "longer than max_model_len": (lambda b: b["workloads"][0].update(input_len=500, output_len=64),
-                                  ["benchmark.workloads.0 ('fixed')", "needs 564 tokens", "benchmark.engine.max_model_len is 512", "at least 564"]),
-    "prefix counts": (lambda b: b["workloads"][1].update(prefix_len=500),
-                      ["benchmark.workloads.1 ('prefix')", "prefix_len 500 + input_len 16 + output_len 4", "needs 520"]),
-    "a variant's own max_model_len": (lambda b: b["variants"].append({"name": "short", "engine": {"max_model_len": 64}}),
-                                      ["benchmark.workloads.1", "benchmark.variants.1.engine.max_model_len is 64 (variant 'short')"]),
-    "beyond the model's context": (lambda b: (b["engine"].pop("max_model_len"), b["workloads"][0].update(input_len=1000, output_len=100)),
-                                   ["benchmark.workloads.0", "needs 1100", "more than the model's context (max_position_embeddings 1024"]),
-    "max_model_len beyond the context": (lambda b: b["engine"].update(max_model_len=4096),
-                                         ["benchmark.engine.max_model_len: 4096 is longer than the model's context", "vLLM refuses", "at most 1024"]),
-    "a variant beyond the context": (lambda b: b["variants"].append({"name": "long", "engine": {"max_model_len": 2048}}),
-                                     ["benchmark.variants.1.engine.max_model_len: 2048", "at most 1024"]),
+    "longer than max_model_len": (
+        lambda b: b["workloads"][0].update(input_len=500, output_len=64),
+        [
+            "benchmark.workloads.0 ('fixed')",
+            "needs 564 tokens",
+            "benchmark.engine.max_model_len is 512",
+            "at least 564",
+        ],
+    ),
+    "prefix counts": (
+        lambda b: b["workloads"][1].update(prefix_len=500),
+        ["benchmark.workloads.1 ('prefix')", "prefix_len 500 + input_len 16 + output_len 4", "needs 520"],
+    ),
+    "a variant's own max_model_len": (
+        lambda b: b["variants"].append({"name": "short", "engine": {"max_model_len": 64}}),
+        ["benchmark.workloads.1", "benchmark.variants.1.engine.max_model_len is 64 (variant 'short')"],
+    ),
+    "beyond the model's context": (
+        lambda b: (b["engine"].pop("max_model_len"), b["workloads"][0].update(input_len=1000, output_len=100)),
+        ["benchmark.workloads.0", "needs 1100", "more than the model's context (max_position_embeddings 1024"],
+    ),
+    "max_model_len beyond the context": (
+        lambda b: b["engine"].update(max_model_len=4096),
+        ["benchmark.engine.max_model_len: 4096 is longer than the model's context", "vLLM refuses", "at most 1024"],
+    ),
+    "a variant beyond the context": (
+        lambda b: b["variants"].append({"name": "long", "engine": {"max_model_len": 2048}}),
+        ["benchmark.variants.1.engine.max_model_len: 2048", "at most 1024"],
+    ),
 }
 
 
@@ -245,7 +349,14 @@ def test_the_tokenizers_limit_applies_when_no_max_model_len_is_set(world):
     d = good()
     d["benchmark"]["engine"].pop("max_model_len")
     d["benchmark"]["workloads"][0].update(input_len=300)
-    refused(world, "check", d, "benchmark.workloads.0", "model_max_length, 256", "set benchmark.engine.max_model_len to at least 308")
+    refused(
+        world,
+        "check",
+        d,
+        "benchmark.workloads.0",
+        "model_max_length, 256",
+        "set benchmark.engine.max_model_len to at least 308",
+    )
     d["benchmark"]["engine"]["max_model_len"] = 512  # set explicitly, vLLM takes it (up to config.json's context)
     res, _, _ = invoke(world, "check", d)
     assert res.exit_code == 0, res.output
@@ -271,7 +382,13 @@ def test_a_key_written_twice_is_refused_with_both_lines(world, command):
     lines = text.splitlines()
     k = next(i for i, ln in enumerate(lines) if ln.strip() == "method: awq")
     lines.insert(k + 2, lines[k].replace("awq", "gptq"))  # after n_grid... method: written again in the same artifact
-    out = refused(world, command, "\n".join(lines) + "\n", f"artifacts.0.method is written twice (lines {k + 1} and {k + 3})", "delete the one")
+    out = refused(
+        world,
+        command,
+        "\n".join(lines) + "\n",
+        f"artifacts.0.method is written twice (lines {k + 1} and {k + 3})",
+        "delete the one",
+    )
     assert "problem(s) in the recipe" not in out  # refused as YAML, before the schema reads the last value
     text = "name: refuse\n" + yaml.safe_dump(good(), sort_keys=False)  # name at the top and again below
     refused(world, command, text, "name is written twice (lines 1 and 2)")
@@ -279,7 +396,9 @@ def test_a_key_written_twice_is_refused_with_both_lines(world, command):
 
 def test_yaml_merge_keys_are_not_duplicates(world):
     d = good()
-    text = yaml.safe_dump(d, sort_keys=False).replace("- name: fp8\n  method: fp8\n", "- &f {name: fp8, method: fp8}\n- {<<: *f, name: fp8b}\n")
+    text = yaml.safe_dump(d, sort_keys=False).replace(
+        "- name: fp8\n  method: fp8\n", "- &f {name: fp8, method: fp8}\n- {<<: *f, name: fp8b}\n"
+    )
     assert "<<" in text
     res, _, _ = invoke(world, "check", text)
     assert res.exit_code == 0, res.output
@@ -295,8 +414,16 @@ def test_group_size_that_does_not_divide_the_layers_is_refused(world, command):
     d = good()
     d["base"]["model"] = "smol"
     d["adapters"] = []
-    out = refused(world, command, d, "artifacts.0.group_size: 128 does not divide", "576 (the input of", "q_proj",
-                  "use group_size 32 or 64", "ignore")
+    out = refused(
+        world,
+        command,
+        d,
+        "artifacts.0.group_size: 128 does not divide",
+        "576 (the input of",
+        "q_proj",
+        "use group_size 32 or 64",
+        "ignore",
+    )
     assert "artifacts.1.group_size: 128" in out and "group_size: null" in out  # gptq's default; rtn's 64 divides
     assert "artifacts.2" not in out and "1536" not in out
 
@@ -310,8 +437,11 @@ def test_group_size_problems_follow_ignore_and_null(world):
     d["artifacts"] = [{"name": "rtn", "method": "rtn", "group_size": 64}]
     out = refused(world, "check", d, "artifacts.0.group_size: 64", "1376 (the input of down_proj)", "use group_size 32")
     assert "576" not in out
-    d["artifacts"] = [{"name": "rtn", "method": "rtn", "group_size": 64, "ignore": ["lm_head", "re:.*down_proj"]},
-                      {"name": "gptq", "method": "gptq", "group_size": None}, {"name": "awq", "method": "awq", "group_size": 32}]
+    d["artifacts"] = [
+        {"name": "rtn", "method": "rtn", "group_size": 64, "ignore": ["lm_head", "re:.*down_proj"]},
+        {"name": "gptq", "method": "gptq", "group_size": None},
+        {"name": "awq", "method": "awq", "group_size": 32},
+    ]
     res, _, _ = invoke(world, "check", d)
     assert res.exit_code == 0, res.output
 
@@ -319,45 +449,101 @@ def test_group_size_problems_follow_ignore_and_null(world):
 # --- the other checks, one change each ---------------------------------------------------------------
 
 OTHERS = {
-    "workload names repeated": (lambda d: d["benchmark"]["workloads"][1].update(name="fixed"), ["workload names must be unique; repeated: fixed"]),
-    "variant named default": (lambda d: d["benchmark"]["variants"][0].update(name="default"), ["variant names must be unique and not 'default'"]),
-    "prefix_len on a fixed workload": (lambda d: d["benchmark"]["workloads"][0].update(prefix_len=8), ["benchmark.workloads.0", "prefix_len applies to kind shared_prefix only"]),
-    "shared_prefix without a prefix": (lambda d: d["benchmark"]["workloads"][1].pop("prefix_len"), ["benchmark.workloads.1", "needs prefix_len"]),
-    "validation workload without validation": (lambda d: (d["evaluation"].pop("validation"), d["evaluation"]["gates"].pop("max_kl"),
-                                                          d["benchmark"]["workloads"].append({"name": "v", "kind": "validation"})),
-                                               ["workload 'v' has kind validation", "evaluation.validation is not set"]),
-    "input_len on a validation workload": (lambda d: d["benchmark"]["workloads"].append({"name": "v", "kind": "validation", "input_len": 8}),
-                                           ["benchmark.workloads.2", "input_len does not apply to kind validation"]),
-    "fidelity gate without validation": (lambda d: d["evaluation"].pop("validation"), ["gates.max_kl", "add evaluation.validation"]),
-    "fidelity documents missing": (lambda d: d["evaluation"].update(fidelity={"path": "heldout.jsonl"}),
-                                   ["evaluation.fidelity.path", "heldout.jsonl does not exist", "one {\"text\": ...} per line"]),
-    "fidelity budget under two windows": (lambda d: d["evaluation"].update(fidelity={"path": "cal.jsonl", "max_tokens": 100, "seq_len": 64}),
-                                          ["evaluation.fidelity", "max_tokens 100 holds fewer than two windows of seq_len 64"]),
-    "fidelity window beyond the context": (lambda d: d["evaluation"].update(fidelity={"path": "cal.jsonl", "max_tokens": 4096, "seq_len": 2048}),
-                                           ["evaluation.fidelity.seq_len: 2048 is longer than the model's context", "use at most 1024"]),
-    "gate with nothing evaluated": (lambda d: d["evaluation"].update(lm_eval=None, validation=None, gates={"min_recovery": 0.9}),
-                                    ["gates.min_recovery needs something evaluated"]),
-    "per-task gate without lm_eval": (lambda d: (d["evaluation"].pop("lm_eval"), d["evaluation"]["gates"].update(min_recovery_per_task={"arc": 0.9})),
-                                      ["min_recovery_per_task names 'arc'"]),
-    "engine flag in extra_args": (lambda d: d["benchmark"]["engine"].update(extra_args=["--max_model_len=4096"]),
-                                  ["benchmark.engine.extra_args", "set `max_model_len` in the engine instead"]),
-    "broken ignore pattern": (lambda d: d["artifacts"][0].update(ignore=["re:.*(mlp"]), ["artifacts.0.ignore", "not a valid regular expression"]),
-    "revision on a local model": (lambda d: d["base"].update(revision="main"), ["base.revision: applies to hub ids only"]),
-    "task listed twice": (lambda d: d["evaluation"]["lm_eval"].update(tasks=["refuse_task", "refuse_task"]), ["evaluation.lm_eval.tasks", "listed more than once"]),
-    "actorder group": (lambda d: d["artifacts"][1].update(actorder="group"), ["artifacts.1", "actorder group is not supported", "backend: gptqmodel"]),
-    "chat template needed, none there": (lambda d: d["evaluation"]["lm_eval"].update(apply_chat_template=True),
-                                         ["evaluation.lm_eval.apply_chat_template: needs the model's chat template", "chat_template.jinja"]),
-    "tensor parallel across heads": (lambda d: d["benchmark"]["variants"][0]["engine"].update(tensor_parallel_size=3),
-                                     ["benchmark.variants.0.engine.tensor_parallel_size: 3 does not divide the model's 8 attention heads",
-                                      "use one of 1, 2, 4, 8"]),
-    "calibration longer than the context": (lambda d: d["calibration"].update(max_seq_len=4096),
-                                            ["calibration.max_seq_len: 4096 is longer than the model's context", "at most 1024"]),
+    "workload names repeated": (
+        lambda d: d["benchmark"]["workloads"][1].update(name="fixed"),
+        ["workload names must be unique; repeated: fixed"],
+    ),
+    "variant named default": (
+        lambda d: d["benchmark"]["variants"][0].update(name="default"),
+        ["variant names must be unique and not 'default'"],
+    ),
+    "prefix_len on a fixed workload": (
+        lambda d: d["benchmark"]["workloads"][0].update(prefix_len=8),
+        ["benchmark.workloads.0", "prefix_len applies to kind shared_prefix only"],
+    ),
+    "shared_prefix without a prefix": (
+        lambda d: d["benchmark"]["workloads"][1].pop("prefix_len"),
+        ["benchmark.workloads.1", "needs prefix_len"],
+    ),
+    "validation workload without validation": (
+        lambda d: (
+            d["evaluation"].pop("validation"),
+            d["evaluation"]["gates"].pop("max_kl"),
+            d["benchmark"]["workloads"].append({"name": "v", "kind": "validation"}),
+        ),
+        ["workload 'v' has kind validation", "evaluation.validation is not set"],
+    ),
+    "input_len on a validation workload": (
+        lambda d: d["benchmark"]["workloads"].append({"name": "v", "kind": "validation", "input_len": 8}),
+        ["benchmark.workloads.2", "input_len does not apply to kind validation"],
+    ),
+    "fidelity gate without validation": (
+        lambda d: d["evaluation"].pop("validation"),
+        ["gates.max_kl", "add evaluation.validation"],
+    ),
+    "fidelity documents missing": (
+        lambda d: d["evaluation"].update(fidelity={"path": "heldout.jsonl"}),
+        ["evaluation.fidelity.path", "heldout.jsonl does not exist", 'one {"text": ...} per line'],
+    ),
+    "fidelity budget under two windows": (
+        lambda d: d["evaluation"].update(fidelity={"path": "cal.jsonl", "max_tokens": 100, "seq_len": 64}),
+        ["evaluation.fidelity", "max_tokens 100 holds fewer than two windows of seq_len 64"],
+    ),
+    "fidelity window beyond the context": (
+        lambda d: d["evaluation"].update(fidelity={"path": "cal.jsonl", "max_tokens": 4096, "seq_len": 2048}),
+        ["evaluation.fidelity.seq_len: 2048 is longer than the model's context", "use at most 1024"],
+    ),
+    "gate with nothing evaluated": (
+        lambda d: d["evaluation"].update(lm_eval=None, validation=None, gates={"min_recovery": 0.9}),
+        ["gates.min_recovery needs something evaluated"],
+    ),
+    "per-task gate without lm_eval": (
+        lambda d: (d["evaluation"].pop("lm_eval"), d["evaluation"]["gates"].update(min_recovery_per_task={"arc": 0.9})),
+        ["min_recovery_per_task names 'arc'"],
+    ),
+    "engine flag in extra_args": (
+        lambda d: d["benchmark"]["engine"].update(extra_args=["--max_model_len=4096"]),
+        ["benchmark.engine.extra_args", "set `max_model_len` in the engine instead"],
+    ),
+    "broken ignore pattern": (
+        lambda d: d["artifacts"][0].update(ignore=["re:.*(mlp"]),
+        ["artifacts.0.ignore", "not a valid regular expression"],
+    ),
+    "revision on a local model": (
+        lambda d: d["base"].update(revision="main"),
+        ["base.revision: applies to hub ids only"],
+    ),
+    "task listed twice": (
+        lambda d: d["evaluation"]["lm_eval"].update(tasks=["refuse_task", "refuse_task"]),
+        ["evaluation.lm_eval.tasks", "listed more than once"],
+    ),
+    "actorder group": (
+        lambda d: d["artifacts"][1].update(actorder="group"),
+        ["artifacts.1", "actorder group is not supported", "backend: gptqmodel"],
+    ),
+    "chat template needed, none there": (
+        lambda d: d["evaluation"]["lm_eval"].update(apply_chat_template=True),
+        ["evaluation.lm_eval.apply_chat_template: needs the model's chat template", "chat_template.jinja"],
+    ),
+    "tensor parallel across heads": (
+        lambda d: d["benchmark"]["variants"][0]["engine"].update(tensor_parallel_size=3),
+        [
+            "benchmark.variants.0.engine.tensor_parallel_size: 3 does not divide the model's 8 attention heads",
+            "use one of 1, 2, 4, 8",
+        ],
+    ),
+    "calibration longer than the context": (
+        lambda d: d["calibration"].update(max_seq_len=4096),
+        ["calibration.max_seq_len: 4096 is longer than the model's context", "at most 1024"],
+    ),
 }
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_bad_fidelity_document_is_refused_naming_file_and_line(world, command):
-    (world / "docs.jsonl").write_text(json.dumps({"text": "a held-out document"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    (world / "docs.jsonl").write_text(
+        json.dumps({"text": "a held-out document"}) + "\n" + json.dumps({"body": "no text"}) + "\n"
+    )
     d = good()
     d["evaluation"]["fidelity"] = {"path": "docs.jsonl"}
     refused(world, command, d, "docs.jsonl:2:", "non-empty string `text`")
@@ -374,9 +560,17 @@ def test_other_knowable_mistakes_are_refused(world, case, command):
 
 def test_chat_rows_need_a_chat_template_and_one_is_found_where_merge_takes_it(world):
     (world / "cal.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    refused(world, "check", good(), "calibration.sources (rows with `messages`): needs the model's chat template", str(world / "model"))
+    refused(
+        world,
+        "check",
+        good(),
+        "calibration.sources (rows with `messages`): needs the model's chat template",
+        str(world / "model"),
+    )
     (world / "adapter" / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    res, _, _ = invoke(world, "check", good())  # the adapter ships the tokenizer the merged model gets: its template counts
+    res, _, _ = invoke(
+        world, "check", good()
+    )  # the adapter ships the tokenizer the merged model gets: its template counts
     assert res.exit_code == 0, res.output
 
 
@@ -413,7 +607,9 @@ def test_the_light_task_index_is_lm_evals_own(folder):
     mine = light_index(_yaml_files(root), _lm_eval_yaml_loader().load_yaml)
     theirs = TaskManager(include_path=str(root), include_defaults=False).task_index
     assert {k: e.kind for k, e in mine.items()} == {k: e.kind.name for k, e in theirs.items()}
-    assert {k: e.tags for k, e in mine.items() if e.kind == "TAG"} == {k: set(e.tags) for k, e in theirs.items() if e.kind.name == "TAG"}
+    assert {k: e.tags for k, e in mine.items() if e.kind == "TAG"} == {
+        k: set(e.tags) for k, e in theirs.items() if e.kind.name == "TAG"
+    }
 
 
 def test_check_of_local_tasks_does_not_import_lm_eval_tasks(world):
@@ -423,8 +619,15 @@ def test_check_of_local_tasks_does_not_import_lm_eval_tasks(world):
 
     p = world / "r.yaml"
     p.write_text(yaml.safe_dump(good()))
-    code = ("import sys; from click.testing import CliRunner; from quantpipe.cli import main; "
-            f"r = CliRunner().invoke(main, ['check', {str(p)!r}]); assert r.exit_code == 0, r.output; "
-            "heavy = {'lm_eval.tasks', 'datasets', 'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "QUANTPIPE_CACHE": str(world / "cache")})
+    code = (
+        "import sys; from click.testing import CliRunner; from quantpipe.cli import main; "
+        f"r = CliRunner().invoke(main, ['check', {str(p)!r}]); assert r.exit_code == 0, r.output; "
+        "heavy = {'lm_eval.tasks', 'datasets', 'torch', 'transformers'} & set(sys.modules); assert not heavy, heavy"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "QUANTPIPE_CACHE": str(world / "cache")},
+    )
     assert r.returncode == 0, r.stderr[-3000:]

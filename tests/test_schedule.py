@@ -196,22 +196,41 @@ def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_p
     import yaml
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "sched", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
-        "base": {"model": str(tiny.llama)}, "adapters": [{"path": str(tiny.llama_lora)}],
-        "artifacts": [{"name": "fp8", "method": "fp8"}, {"name": "rtn", "method": "rtn", "group_size": 128}],
-        "evaluation": {"validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
-        "benchmark": {"workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
-                      "concurrency": [1], "offline": False, "lora": False, "engine": {"enforce_eager": True}},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "sched",
+                "output_dir": str(tmp_path / "out"),
+                "cache_dir": str(tmp_path / "cache"),
+                "base": {"model": str(tiny.llama)},
+                "adapters": [{"path": str(tiny.llama_lora)}],
+                "artifacts": [{"name": "fp8", "method": "fp8"}, {"name": "rtn", "method": "rtn", "group_size": 128}],
+                "evaluation": {"validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
+                "benchmark": {
+                    "workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+                    "concurrency": [1],
+                    "offline": False,
+                    "lora": False,
+                    "engine": {"enforce_eager": True},
+                },
+            }
+        )
+    )
     env = {**os.environ, "QUANTPIPE_GPUS": "2"}
-    res = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(recipe), "--jobs", "4"], capture_output=True, text=True,
-                         env=env, timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", str(recipe), "--jobs", "4"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     assert res.returncode in (0, 3), res.stderr[-4000:]
     run_dir = next((tmp_path / "out" / "runs").glob("*/run.json")).parent
     rec = json.loads((run_dir / "run.json").read_text())
     stages = rec["stages"]
-    assert all(s["status"] == "ok" for s in stages.values()), {k: s.get("error") for k, s in stages.items() if s["status"] != "ok"}
+    assert all(s["status"] == "ok" for s in stages.values()), {
+        k: s.get("error") for k, s in stages.items() if s["status"] != "ok"
+    }
     assert rec["scheduler"] == {"gpus": ["0", "1"], "jobs": 4}
     deps = {"quantize": ["merge"], "evaluate": ["merge"], "benchmark": ["merge"], "package": ["merge"]}
     for sid, s in stages.items():
@@ -224,13 +243,21 @@ def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_p
         for d in need:
             assert stages[d]["end_s"] <= s["start_s"] + 1e-3, f"{sid} started before {d} ended"
     overlap = lambda a, b: a["start_s"] < b["end_s"] and b["start_s"] < a["end_s"]  # noqa: E731
-    shared = [(a, b) for a in stages for b in stages if a < b and set(stages[a]["devices"]) & set(stages[b]["devices"])
-              and overlap(stages[a], stages[b])]
+    shared = [
+        (a, b)
+        for a in stages
+        for b in stages
+        if a < b and set(stages[a]["devices"]) & set(stages[b]["devices"]) and overlap(stages[a], stages[b])
+    ]
     assert shared, "no two stages ever shared a GPU at once"
     for sid, s in stages.items():
         if sid.startswith("benchmark:"):
             assert s["devices"], sid
-            others = [o for o in stages if o != sid and set(stages[o]["devices"]) & set(s["devices"]) and overlap(stages[o], s)]
+            others = [
+                o
+                for o in stages
+                if o != sid and set(stages[o]["devices"]) & set(s["devices"]) and overlap(stages[o], s)
+            ]
             assert not others, f"{sid} shared its GPU with {others}"
     assert (run_dir / "plots" / "timeline.png").is_file()
 
@@ -249,22 +276,44 @@ def test_shared_benchmarks_measure_only_while_nothing_else_works_on_their_device
     import yaml
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "name": "shared", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
-        "base": {"model": str(tiny.llama)},
-        "artifacts": [{"name": "int8", "method": "w8a8-int8"}],  # servable on any x86 CPU
-        "calibration": {"sources": [{"path": str(Path(__file__).parents[1] / "calibration" / "tiny-mix.jsonl")}], "num_samples": 16, "max_seq_len": 64},
-        "evaluation": {"validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
-        "benchmark": {"workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}], "concurrency": [1],
-                      "offline": False, "lora": False, "engine": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20}},
-    }))
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "name": "shared",
+                "output_dir": str(tmp_path / "out"),
+                "cache_dir": str(tmp_path / "cache"),
+                "base": {"model": str(tiny.llama)},
+                "artifacts": [{"name": "int8", "method": "w8a8-int8"}],  # servable on any x86 CPU
+                "calibration": {
+                    "sources": [{"path": str(Path(__file__).parents[1] / "calibration" / "tiny-mix.jsonl")}],
+                    "num_samples": 16,
+                    "max_seq_len": 64,
+                },
+                "evaluation": {"validation": {"path": str(tiny.validation), "max_new_tokens": 8}},
+                "benchmark": {
+                    "workloads": [{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+                    "concurrency": [1],
+                    "offline": False,
+                    "lora": False,
+                    "engine": {"enforce_eager": True, "kv_cache_memory_bytes": 256 << 20},
+                },
+            }
+        )
+    )
     env = {k: v for k, v in os.environ.items() if k != "QUANTPIPE_GPUS"}
-    res = subprocess.run([sys.executable, "-m", "quantpipe", "run", "--jobs", "2", str(recipe)], capture_output=True, text=True,
-                         env=env, timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", "--jobs", "2", str(recipe)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     assert res.returncode in (0, 3), res.stderr[-4000:]
     rec = json.loads(next((tmp_path / "out" / "runs").glob("*/run.json")).read_text())
     stages = rec["stages"]
-    assert all(s["status"] == "ok" for s in stages.values()), {k: s.get("error") for k, s in stages.items() if s["status"] != "ok"}
+    assert all(s["status"] == "ok" for s in stages.values()), {
+        k: s.get("error") for k, s in stages.items() if s["status"] != "ok"
+    }
     benches = {sid: s for sid, s in stages.items() if sid.startswith("benchmark:")}
     overlap = lambda a0, a1, b0, b1: a0 < b1 - 0.6 and b0 < a1 - 0.6  # noqa: E731  (the runner looks every 0.5 s)
     busy = {}  # stage -> the stretches it worked on the GPU
@@ -277,7 +326,12 @@ def test_shared_benchmarks_measure_only_while_nothing_else_works_on_their_device
             assert "started beside other work" in " ".join(s["metrics"]["engine_notes"])
         else:
             busy[sid] = [(s["start_s"], s["end_s"])]
-    shared = [(b, o) for b in benches for o in busy if o != b and overlap(benches[b]["start_s"], benches[b]["end_s"], *busy[o][0])]
+    shared = [
+        (b, o)
+        for b in benches
+        for o in busy
+        if o != b and overlap(benches[b]["start_s"], benches[b]["end_s"], *busy[o][0])
+    ]
     assert shared, "no benchmark ever started beside another stage"
     for b, s in benches.items():
         m0, m1 = s["measured_s"][0]

@@ -34,7 +34,11 @@ from quantpipe.server import Server
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_PY = REPO / ".venv" / "serve" / "bin" / "python"
-PLANTED = {"HF_TOKEN": "hf_plantedTOKENv1xQ9zzLk3", "MY_API_SECRET": "sk-planted-secret-7c1e9b", "HUGGING_FACE_HUB_TOKEN": "hf_plantedHUBtoken42abc"}
+PLANTED = {
+    "HF_TOKEN": "hf_plantedTOKENv1xQ9zzLk3",
+    "MY_API_SECRET": "sk-planted-secret-7c1e9b",
+    "HUGGING_FACE_HUB_TOKEN": "hf_plantedHUBtoken42abc",
+}
 
 
 @pytest.fixture
@@ -48,8 +52,13 @@ def fake(tmp_path):
 
 
 def recipe_dict(**over) -> dict:
-    d = {"name": "sec", "output_dir": "out", "base": {"model": "model"}, "calibration": {"sources": [{"path": "cal.jsonl"}]},
-         "artifacts": [{"name": "fp8", "method": "fp8"}]}
+    d = {
+        "name": "sec",
+        "output_dir": "out",
+        "base": {"model": "model"},
+        "calibration": {"sources": [{"path": "cal.jsonl"}]},
+        "artifacts": [{"name": "fp8", "method": "fp8"}],
+    }
     d.update(over)
     return d
 
@@ -78,13 +87,17 @@ PAYLOADS = [
 
 
 @pytest.mark.parametrize("where", ["document", "value", "key"])
-@pytest.mark.parametrize("payload", PAYLOADS, ids=["apply-os.system", "apply-check_call", "new-Popen", "name", "module"])
+@pytest.mark.parametrize(
+    "payload", PAYLOADS, ids=["apply-os.system", "apply-check_call", "new-Popen", "name", "module"]
+)
 def test_python_yaml_tags_are_refused_and_never_run(fake, payload, where):
     marker = fake / "PWNED"
     tag = payload.format(marker=marker)
-    text = {"document": tag + "\n",
-            "value": yaml.safe_dump(recipe_dict()) + f"name2: {tag}\n",
-            "key": yaml.safe_dump(recipe_dict()) + f"? {tag}\n: 1\n"}[where]
+    text = {
+        "document": tag + "\n",
+        "value": yaml.safe_dump(recipe_dict()) + f"name2: {tag}\n",
+        "key": yaml.safe_dump(recipe_dict()) + f"? {tag}\n: 1\n",
+    }[where]
     res = CliRunner().invoke(main, ["run", str(write(fake, text))])
     refused(res, fake, "not valid YAML")
     assert not marker.exists()
@@ -92,13 +105,20 @@ def test_python_yaml_tags_are_refused_and_never_run(fake, payload, where):
 
 def test_no_unsafe_deserialisation_in_the_code():
     """safe_load only; no pickle.load, no torch.load without weights_only (a regression here is a code-execution hole)."""
-    bad = re.compile(r"yaml\.(load|unsafe_load|full_load)\(|Loader=yaml\.(Loader|FullLoader|UnsafeLoader)|pickle\.loads?\(|torch\.load\((?![^)]*weights_only=True)")
-    hits = [f"{p.relative_to(REPO)}:{n}" for p in sorted((REPO / "pipeline").rglob("*.py")) + sorted((REPO / "scripts").glob("*.py"))
-            for n, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    bad = re.compile(
+        r"yaml\.(load|unsafe_load|full_load)\(|Loader=yaml\.(Loader|FullLoader|UnsafeLoader)|pickle\.loads?\(|torch\.load\((?![^)]*weights_only=True)"
+    )
+    hits = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in sorted((REPO / "pipeline").rglob("*.py")) + sorted((REPO / "scripts").glob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if bad.search(line)
+    ]
     assert hits == []
 
 
 # --- pickle weights: refused unless the recipe opts in --------------------------------------------
+
 
 def test_pickle_only_model_and_adapter_are_refused_unless_allowed(fake):
     (fake / "model" / "model.safetensors").unlink()
@@ -119,6 +139,7 @@ def test_pickle_only_model_and_adapter_are_refused_unless_allowed(fake):
 
 # --- trust_remote_code: off unless asked, and passed on only then ---------------------------------
 
+
 def test_trust_remote_code_is_off_by_default_and_reaches_vllm_only_when_asked(fake):
     from quantpipe.stages.benchmark.engine import effective_engine
 
@@ -133,7 +154,27 @@ def test_trust_remote_code_is_off_by_default_and_reaches_vllm_only_when_asked(fa
 
 # --- paths built from recipe input stay inside their directories -------------------------------------
 
-@pytest.mark.parametrize("name", ["../evil", "..", ".", "/etc", "a/b", "a\\b", "a/../../b", "~root", "a\x00b", "ａ", "-x", "x" * 65, " x", "Evil", ""])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../evil",
+        "..",
+        ".",
+        "/etc",
+        "a/b",
+        "a\\b",
+        "a/../../b",
+        "~root",
+        "a\x00b",
+        "ａ",
+        "-x",
+        "x" * 65,
+        " x",
+        "Evil",
+        "",
+    ],
+)
 def test_artifact_and_recipe_names_cannot_be_paths(fake, name):
     res = CliRunner().invoke(main, ["run", str(write(fake, recipe_dict(artifacts=[{"name": name, "method": "fp8"}])))])
     refused(res, fake, "artifact name")
@@ -144,19 +185,30 @@ def test_artifact_and_recipe_names_cannot_be_paths(fake, name):
 def test_every_derived_path_stays_inside_its_root(fake):
     """Names at the edge of what is allowed: cache entries, stage logs and published packages stay inside their roots."""
     names = ["a..b", "x.-_9", "0" * 64, "a..", "z."]
-    r = Recipe.model_validate({**recipe_dict(), "output_dir": str(fake / "out"), "base": {"model": str(fake / "model")},
-                               "calibration": None, "artifacts": [{"name": n, "method": "fp8"} for n in names]})
+    r = Recipe.model_validate(
+        {
+            **recipe_dict(),
+            "output_dir": str(fake / "out"),
+            "base": {"model": str(fake / "model")},
+            "calibration": None,
+            "artifacts": [{"name": n, "method": "fp8"} for n in names],
+        }
+    )
     cache = StageCache(fake / "cache")
     run_dir = fake / "out" / "runs" / "r1"
     for s in build_steps(r, str(fake / "model")):
         assert cache.entry(s.id, "k" * 32).resolve().is_relative_to((fake / "cache" / "stages").resolve()), s.id
-        assert (run_dir / "logs" / f"{s.id.replace(':', '_')}.log").resolve().parent == (run_dir / "logs").resolve(), s.id
+        assert (run_dir / "logs" / f"{s.id.replace(':', '_')}.log").resolve().parent == (run_dir / "logs").resolve(), (
+            s.id
+        )
 
 
 def test_publish_never_writes_through_a_planted_link(fake, tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     (outside / "keep.txt").write_text("precious")
-    r = Recipe.model_validate({**recipe_dict(), "output_dir": str(fake / "out"), "base": {"model": str(fake / "model")}, "calibration": None})
+    r = Recipe.model_validate(
+        {**recipe_dict(), "output_dir": str(fake / "out"), "base": {"model": str(fake / "model")}, "calibration": None}
+    )
     out_dir = Path(r.output_dir)
     pkg = fake / "built"
     pkg.mkdir()
@@ -166,7 +218,9 @@ def test_publish_never_writes_through_a_planted_link(fake, tmp_path_factory):
     (fake / "out" / "packages" / "fp8").symlink_to(outside, target_is_directory=True)
     link = publish(out_dir, "fp8", pkg, "a" * 32)
     assert link.resolve().is_relative_to((fake / "out").resolve()) and (link / "manifest.json").is_file()
-    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
+    assert (
+        sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and (outside / "keep.txt").read_text() == "precious"
+    )
     # packages/.store planted as a link outside: refused, nothing written there
     store = fake / "out" / "packages" / ".store"
     for p in store.iterdir():
@@ -207,7 +261,9 @@ def test_server_command_binds_loopback(tmp_path):
         cmd = server_command(extra, tmp_path)
         hosts = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--host"]
         assert hosts == ["127.0.0.1"], cmd
-        assert cmd.index("--host") > max(cmd.index(a) for a in extra), "our --host must come last: argparse keeps the last value"
+        assert cmd.index("--host") > max(cmd.index(a) for a in extra), (
+            "our --host must come last: argparse keeps the last value"
+        )
 
 
 @pytest.mark.slow
@@ -227,11 +283,14 @@ def test_vllm_parses_our_server_command_to_loopback(tmp_path):
 
 # --- secrets -------------------------------------------------------------------------------------
 
+
 def test_secrets_are_redacted_from_stage_logs_run_log_and_run_json(tmp_path, monkeypatch):
     for k, v in PLANTED.items():
         monkeypatch.setenv(k, v)
     assert set(PLANTED.values()) <= set(secrets())
-    r = Recipe.model_validate({**recipe_dict(), "output_dir": str(tmp_path / "out"), "base": {"model": str(tmp_path)}, "calibration": None})
+    r = Recipe.model_validate(
+        {**recipe_dict(), "output_dir": str(tmp_path / "out"), "base": {"model": str(tmp_path)}, "calibration": None}
+    )
     runner = Runner(r, tmp_path / "r.yaml")
     stage_log = io.StringIO()
     runner.procs._pump(io.BytesIO(f"token={PLANTED['HF_TOKEN']} key {PLANTED['MY_API_SECRET']}\n".encode()), stage_log)
@@ -252,7 +311,9 @@ def test_real_run_records_safety_switches_and_leaks_no_secret(tiny, tmp_path):
     link out of the output directory; each stage's pre-flight estimate is at least its measured peak; and no file
     under the output or cache directory holds a planted secret."""
     recipe = {
-        "name": "secure", "output_dir": str(tmp_path / "out"), "cache_dir": str(tmp_path / "cache"),
+        "name": "secure",
+        "output_dir": str(tmp_path / "out"),
+        "cache_dir": str(tmp_path / "cache"),
         "base": {"model": str(tiny.llama), "dtype": "bfloat16", "allow_pickle": True},
         "adapters": [{"path": str(tiny.llama_lora)}],
         "artifacts": [{"name": "fp8", "method": "fp8", "mode": "dynamic"}],
@@ -261,7 +322,9 @@ def test_real_run_records_safety_switches_and_leaks_no_secret(tiny, tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text(yaml.safe_dump(recipe))
     env = {**os.environ, **PLANTED}
-    r = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(p)], capture_output=True, text=True, timeout=1200, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "quantpipe", "run", str(p)], capture_output=True, text=True, timeout=1200, env=env
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     for v in PLANTED.values():
         assert v not in r.stdout and v not in r.stderr
@@ -275,7 +338,9 @@ def test_real_run_records_safety_switches_and_leaks_no_secret(tiny, tmp_path):
     for root, dirs, files in os.walk(pkg.resolve()):
         for f in dirs + files:
             q = Path(root) / f
-            assert not q.is_symlink() or q.resolve().is_relative_to(out.resolve()), f"{q} links out of the output directory"
+            assert not q.is_symlink() or q.resolve().is_relative_to(out.resolve()), (
+                f"{q} links out of the output directory"
+            )
 
     run_dir = next((out / "runs").glob("2*"))
     report = json.loads((run_dir / "report.json").read_text())
@@ -288,7 +353,9 @@ def test_real_run_records_safety_switches_and_leaks_no_secret(tiny, tmp_path):
         st = record["stages"][sid]
         est, actual = st["preflight"]["estimate"], st["preflight"]["actual"]
         assert st["cache"] in ("miss", "forced") and actual["peak_rss_gib"] > 0, st
-        assert est["ram_gib"] >= actual["peak_rss_gib"], f"{sid}: estimate {est['ram_gib']} GiB < measured peak {actual['peak_rss_gib']} GiB"
+        assert est["ram_gib"] >= actual["peak_rss_gib"], (
+            f"{sid}: estimate {est['ram_gib']} GiB < measured peak {actual['peak_rss_gib']} GiB"
+        )
 
     leaks = []
     for top in (out, tmp_path / "cache"):

@@ -40,9 +40,28 @@ def mlflow_server(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     log = open(root / "server.log", "w")
-    p = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=root,
+    )
     uri = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 300  # its first start migrates the database: a minute on a busy 2-core machine
@@ -69,10 +88,16 @@ def test_mlflow_uri_with_credentials_is_refused(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: x\noutput_dir: out\nbase: {model: org/m}\nartifacts: [{name: f, method: fp8}]\n")
     r = CliRunner().invoke(main, ["run", str(recipe), "--mlflow", "https://alice:s3cret@mlflow.example.com"])
-    assert r.exit_code == 2 and "MLFLOW_TRACKING_TOKEN" in r.output and "s3cret" not in r.output.replace("alice:s3cret", "")
+    assert (
+        r.exit_code == 2
+        and "MLFLOW_TRACKING_TOKEN" in r.output
+        and "s3cret" not in r.output.replace("alice:s3cret", "")
+    )
     assert not (tmp_path / "out").exists()
-    recipe.write_text("name: x\noutput_dir: out\nbase: {model: org/m}\nartifacts: [{name: f, method: fp8}]\n"
-                      "tracking: {mlflow: {uri: 'http://u:p@h:5000'}}\n")
+    recipe.write_text(
+        "name: x\noutput_dir: out\nbase: {model: org/m}\nartifacts: [{name: f, method: fp8}]\n"
+        "tracking: {mlflow: {uri: 'http://u:p@h:5000'}}\n"
+    )
     r = CliRunner().invoke(main, ["check", str(recipe)])
     assert r.exit_code == 2 and "tracking.mlflow.uri" in r.output
 
@@ -94,8 +119,13 @@ def tiny_recipe_path(tiny, tmp_path_factory):
     from test_console import shared_cache, tiny_recipe
 
     tmp = tmp_path_factory.mktemp("tracked")
-    return tiny_recipe(tmp / "r.yaml", tiny, shared_cache(tmp_path_factory), tmp / "out",
-                       tracking={"mlflow": {"uri": "http://127.0.0.1:1", "experiment": "quantpipe-tests"}})
+    return tiny_recipe(
+        tmp / "r.yaml",
+        tiny,
+        shared_cache(tmp_path_factory),
+        tmp / "out",
+        tracking={"mlflow": {"uri": "http://127.0.0.1:1", "experiment": "quantpipe-tests"}},
+    )
 
 
 def _runs(recipe: Path) -> list[dict]:
@@ -118,17 +148,25 @@ def test_run_logs_to_mlflow_and_registers_each_package(mlflow_server, tiny_recip
     found = client.search_runs([exp.experiment_id], f"tags.`quantpipe.run_id` = '{run['run_id']}'")
     assert [x.info.run_id for x in found] == [marker["mlflow_run_id"]] and found[0].info.status == "FINISHED"
     m = found[0]
-    assert m.data.params["recipe_hash"] == record["recipe_hash"] and m.data.params["versions.quantize.torch"] == record["versions"]["quantize"]["torch"]
+    assert (
+        m.data.params["recipe_hash"] == record["recipe_hash"]
+        and m.data.params["versions.quantize.torch"] == record["versions"]["quantize"]["torch"]
+    )
     assert m.data.params["hardware"] == report["provenance"]["hardware_text"]
     rows = {x["artifact"]: x for x in report["rows"]}
     assert m.data.metrics["fp8/recovery"] == pytest.approx(rows["fp8"]["recovery"])
     assert m.data.metrics["rtn/kl_mean"] == pytest.approx(rows["rtn"]["kl_mean"])
     assert m.data.metrics["rtn/size_bytes"] == rows["rtn"]["size_bytes"] and m.data.metrics["fp8/gate_pass"] == 1.0
     assert m.data.metrics["stages/quantize.rtn/wall_s"] == pytest.approx(record["stages"]["quantize:rtn"]["wall_s"])
-    files = {a.path for a in client.list_artifacts(m.info.run_id)} | {a.path for a in client.list_artifacts(m.info.run_id, "packages/fp8")}
+    files = {a.path for a in client.list_artifacts(m.info.run_id)} | {
+        a.path for a in client.list_artifacts(m.info.run_id, "packages/fp8")
+    }
     assert {"report.html", "report.json", "run.json", "packages/fp8/manifest.json", "packages/fp8/README.md"} <= files
-    versions = {v.tags["artifact"]: v for v in client.search_model_versions(f"name = '{record['recipe_name']}'")
-                if v.tags.get("quantpipe.run_id") == run["run_id"]}
+    versions = {
+        v.tags["artifact"]: v
+        for v in client.search_model_versions(f"name = '{record['recipe_name']}'")
+        if v.tags.get("quantpipe.run_id") == run["run_id"]
+    }
     assert set(versions) == {"fp8", "rtn"}
     choice = report["recommendation"]["choice"]
     for name, v in versions.items():
@@ -142,7 +180,10 @@ def test_a_run_while_the_server_is_down_succeeds_and_is_pushed_later(mlflow_serv
     # the recipe's tracking.mlflow.uri points at a closed port: the run is ok, says so, and its files are whole
     r = CliRunner().invoke(main, ["run", str(tiny_recipe_path)])
     assert r.exit_code == 0, r.output
-    assert "MLflow: not logged: MLflow at http://127.0.0.1:1 cannot be reached" in r.output and "--push-mlflow http://127.0.0.1:1" in r.output
+    assert (
+        "MLflow: not logged: MLflow at http://127.0.0.1:1 cannot be reached" in r.output
+        and "--push-mlflow http://127.0.0.1:1" in r.output
+    )
     missed = _runs(tiny_recipe_path)[-1]
     run_dir = Path(missed["run_dir"])
     assert not (run_dir / "mlflow.json").exists() and (run_dir / "report.html").is_file()

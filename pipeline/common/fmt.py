@@ -40,14 +40,21 @@ def fidelity_text(fid: dict) -> str:
         has_ci = isinstance(ci, (list, tuple)) and len(ci) == 2 and all(isinstance(x, (int, float)) for x in ci)
         return f"{v:{spec}}" + (f" [{ci[0]:{spec}}, {ci[1]:{spec}}]" if has_ci else "")
 
-    text = f"mean next-token KL divergence {figure('kl_mean', '.2g')}, top-1 agreement {figure('top1_agreement', '.4f')}"
+    text = (
+        f"mean next-token KL divergence {figure('kl_mean', '.2g')}, top-1 agreement {figure('top1_agreement', '.4f')}"
+    )
     if isinstance(fid.get("ppl"), (int, float)):
         base = fid.get("ppl_baseline")
-        text += f", perplexity {figure('ppl', '.4g')} (baseline {f'{base:.4g}' if isinstance(base, (int, float)) else '—'}"
+        text += (
+            f", perplexity {figure('ppl', '.4g')} (baseline {f'{base:.4g}' if isinstance(base, (int, float)) else '—'}"
+        )
         text += f", ratio {figure('ppl_ratio', '.4f')})" if isinstance(fid.get("ppl_ratio"), (int, float)) else ")"
     n, w, source = fid.get("n_tokens"), fid.get("n_windows"), fid.get("source")
     if isinstance(n, int):
-        text += f"; {n} tokens" + {"documents": f" of held-out documents in {w} windows", "validation": f" of {w} validation references"}.get(source, "")
+        text += f"; {n} tokens" + {
+            "documents": f" of held-out documents in {w} windows",
+            "validation": f" of {w} validation references",
+        }.get(source, "")
     if fid.get("ci_method"):
         text += f"; 95% intervals: {fid['ci_method']}"
     return text

@@ -40,7 +40,9 @@ def check_gates(gates: Gates, metrics: dict) -> list[str]:
                     f"{_fmt(c.get('artifact'))}), so {gate} {floor:g} cannot be checked; use a task the baseline scores on"
                 )
                 continue
-            fail = _bound_fails(f"{c['task']} {c['metric']} recovery", r, c.get("ci95"), f"n={c.get('n')}", "lower", gate, floor, ".3f")
+            fail = _bound_fails(
+                f"{c['task']} {c['metric']} recovery", r, c.get("ci95"), f"n={c.get('n')}", "lower", gate, floor, ".3f"
+            )
             if fail:
                 failures.append(fail)
     fid = metrics.get("fidelity") or {}
@@ -50,17 +52,25 @@ def check_gates(gates: Gates, metrics: dict) -> list[str]:
             continue
         value = fid.get(key)
         if value is None:
-            failures.append(f"{gate} {lim:g} cannot be checked: no fidelity figures (they need evaluation.fidelity documents or "
-                            "evaluation.validation references)")
+            failures.append(
+                f"{gate} {lim:g} cannot be checked: no fidelity figures (they need evaluation.fidelity documents or "
+                "evaluation.validation references)"
+            )
             continue
-        where = f"{fid['n_windows']} {'validation rows' if fid.get('source') == 'validation' else 'windows'}" if fid.get("n_windows") else ""
+        where = (
+            f"{fid['n_windows']} {'validation rows' if fid.get('source') == 'validation' else 'windows'}"
+            if fid.get("n_windows")
+            else ""
+        )
         fail = _bound_fails(key, value, fid.get(f"{key}_ci95"), where, side, gate, lim, ".4g")
         if fail:
             failures.append(fail)
     return failures
 
 
-def _bound_fails(figure: str, value: float, ci, n_text: str, side: str, gate: str, limit: float, spec: str) -> str | None:
+def _bound_fails(
+    figure: str, value: float, ci, n_text: str, side: str, gate: str, limit: float, spec: str
+) -> str | None:
     """The failure sentence of a gate on the interval's `side` bound ("lower": at least `limit`), or on the estimate
     where there is no interval; None when it passes."""
 
@@ -69,11 +79,17 @@ def _bound_fails(figure: str, value: float, ci, n_text: str, side: str, gate: st
 
     rel = "above" if side == "upper" else "below"
     if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and None not in ci):
-        return f"{figure} {value:{spec}} is {rel} {gate} {limit:g} (no interval was measured, so the estimate is compared)" if worse(value) else None
+        return (
+            f"{figure} {value:{spec}} is {rel} {gate} {limit:g} (no interval was measured, so the estimate is compared)"
+            if worse(value)
+            else None
+        )
     bound = ci[1] if side == "upper" else ci[0]
     if not (worse(bound) or worse(value)):
         return None
-    what = f"the {side} bound" if worse(bound) else "the estimate"  # the estimate itself outside: an interval that does not bracket it
+    what = (
+        f"the {side} bound" if worse(bound) else "the estimate"
+    )  # the estimate itself outside: an interval that does not bracket it
     ci_text = f"95% CI {ci[0]:{spec}}-{ci[1]:{spec}}" + (f", {n_text}" if n_text else "")
     return f"{figure} {value:{spec}} ({ci_text}): {what} is {rel} {gate} {limit:g}"
 

@@ -65,6 +65,6 @@ def sweep(tmpdir: str | Path) -> None:
     from ..cache import alive
 
     for p in Path(tmpdir).glob(f"{PREFIX}*"):
-        pid = p.name[len(PREFIX):].split("-")[0]
+        pid = p.name[len(PREFIX) :].split("-")[0]
         if pid.isdigit() and p.is_dir() and not alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)

@@ -23,9 +23,14 @@ def _w_a16(a) -> str:
 
 METHODS = {
     "awq": Method(scheme=_w_a16, calibrated=lambda a: True, weight_bits=lambda a: 4, activation_cache=True),
-    "gptq": Method(scheme=lambda a: f"W{a.bits}A16", calibrated=lambda a: True, weight_bits=lambda a: a.bits, hessians=True),
-    "fp8": Method(scheme=lambda a: {"dynamic": "FP8_DYNAMIC", "static": "FP8", "block": "FP8_BLOCK"}[a.mode],
-                  calibrated=lambda a: a.mode == "static", weight_bits=lambda a: 8),
+    "gptq": Method(
+        scheme=lambda a: f"W{a.bits}A16", calibrated=lambda a: True, weight_bits=lambda a: a.bits, hessians=True
+    ),
+    "fp8": Method(
+        scheme=lambda a: {"dynamic": "FP8_DYNAMIC", "static": "FP8", "block": "FP8_BLOCK"}[a.mode],
+        calibrated=lambda a: a.mode == "static",
+        weight_bits=lambda a: 8,
+    ),
     "w8a8-int8": Method(scheme=lambda a: "W8A8", calibrated=lambda a: True, weight_bits=lambda a: 8, hessians=True),
     "rtn": Method(scheme=_w_a16, calibrated=lambda a: False, weight_bits=lambda a: a.bits),
 }

@@ -53,13 +53,37 @@ def quant_scheme(model_dir: Path) -> dict | None:
             w = (g or {}).get("weights") or {}
             a = (g or {}).get("input_activations")
             if w:
-                return {"quant_method": qm, "format": qc.get("format"), "weight_bits": w.get("num_bits"),
-                        "weight_type": w.get("type", "int"), "activations": a is not None, "group_size": w.get("group_size")}
-        return {"quant_method": qm, "format": qc.get("format"), "weight_bits": None, "weight_type": None, "activations": False}
+                return {
+                    "quant_method": qm,
+                    "format": qc.get("format"),
+                    "weight_bits": w.get("num_bits"),
+                    "weight_type": w.get("type", "int"),
+                    "activations": a is not None,
+                    "group_size": w.get("group_size"),
+                }
+        return {
+            "quant_method": qm,
+            "format": qc.get("format"),
+            "weight_bits": None,
+            "weight_type": None,
+            "activations": False,
+        }
     if qm in ("gptq", "awq"):
-        return {"quant_method": qm, "format": qm, "weight_bits": qc.get("bits") or qc.get("w_bit"), "weight_type": "int",
-                "activations": False, "group_size": qc.get("group_size") or qc.get("q_group_size")}
-    return {"quant_method": qm, "format": qc.get("format"), "weight_bits": None, "weight_type": None, "activations": None}
+        return {
+            "quant_method": qm,
+            "format": qm,
+            "weight_bits": qc.get("bits") or qc.get("w_bit"),
+            "weight_type": "int",
+            "activations": False,
+            "group_size": qc.get("group_size") or qc.get("q_group_size"),
+        }
+    return {
+        "quant_method": qm,
+        "format": qc.get("format"),
+        "weight_bits": None,
+        "weight_type": None,
+        "activations": None,
+    }
 
 
 def unservable_reason(scheme: dict | None, method: str, plat: dict) -> str | None:
@@ -70,13 +94,17 @@ def unservable_reason(scheme: dict | None, method: str, plat: dict) -> str | Non
     label = f"W{bits}A16" if bits else "weight-only"
     if wtype == "int" and bits == 4:
         if not plat.get("kernels", {}).get("cpu_gemm_wna16", False):
-            return (f"{label} ({method}) needs vLLM's cpu_gemm_wna16 kernel, which vLLM's CPU build for this "
-                    f"machine ({plat.get('isa') or 'no AVX-512'}) lacks; serve it on a GPU or an AVX-512 CPU, "
-                    "or validate it through transformers")
+            return (
+                f"{label} ({method}) needs vLLM's cpu_gemm_wna16 kernel, which vLLM's CPU build for this "
+                f"machine ({plat.get('isa') or 'no AVX-512'}) lacks; serve it on a GPU or an AVX-512 CPU, "
+                "or validate it through transformers"
+            )
         return None
     if wtype == "int" and bits is not None:
-        return (f"{label} ({method}): vLLM's CPU backend has no kernel for {bits}-bit weight-only layers "
-                "(CPUWNA16 takes 4-bit weights only); serve it on a GPU, or use w8a8-int8 for CPU")
+        return (
+            f"{label} ({method}): vLLM's CPU backend has no kernel for {bits}-bit weight-only layers "
+            "(CPUWNA16 takes 4-bit weights only); serve it on a GPU, or use w8a8-int8 for CPU"
+        )
     if wtype == "float":
         return f"{label} FP8 weight-only ({method}): vLLM's CPU backend has no FP8 weight-only kernel; use fp8 dynamic (W8A8)"
     return None
@@ -98,7 +126,9 @@ def variant_engines(inp: BenchmarkInput | PackageInput | Recipe) -> list[tuple[s
     names = [n for n, _ in out]
     dup = {n for n in names if names.count(n) > 1}
     if dup:
-        raise StageError(f"benchmark.variants: names must be unique and not 'default'; repeated: {', '.join(sorted(dup))}")
+        raise StageError(
+            f"benchmark.variants: names must be unique and not 'default'; repeated: {', '.join(sorted(dup))}"
+        )
     return out
 
 

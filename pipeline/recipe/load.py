@@ -36,7 +36,11 @@ def _format_error(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown key; remove it or fix its spelling (`quantpipe schema` lists the keys)"
         elif e["type"] == "union_tag_invalid":
-            msg = f"unknown method {e['input'].get('method')!r}; use one of: {', '.join(METHODS)}" if isinstance(e.get("input"), dict) else msg
+            msg = (
+                f"unknown method {e['input'].get('method')!r}; use one of: {', '.join(METHODS)}"
+                if isinstance(e.get("input"), dict)
+                else msg
+            )
         elif e["type"] == "union_tag_not_found":
             msg = f"missing `method`; use one of: {', '.join(METHODS)}"
         lines.append(f"  - {loc or '(top level)'}: {msg}")
@@ -56,7 +60,9 @@ def _read_yaml(text: str, source: str) -> Any:
             return None
         twice = _written_twice(loader, node)
         if twice:
-            raise RecipeError(f"{source}: " + "; ".join(twice) + ". YAML keeps only the last one: delete the one you do not mean")
+            raise RecipeError(
+                f"{source}: " + "; ".join(twice) + ". YAML keeps only the last one: delete the one you do not mean"
+            )
         return loader.construct_document(node)
     finally:
         loader.dispose()
@@ -82,8 +88,11 @@ def _written_twice(loader: yaml.SafeLoader, root: yaml.Node) -> list[str]:
                         try:
                             if key in first:
                                 a, b = first[key], k.start_mark
-                                at = (f"lines {a.line + 1} and {b.line + 1}" if a.line != b.line else
-                                      f"line {a.line + 1}, columns {a.column + 1} and {b.column + 1}")
+                                at = (
+                                    f"lines {a.line + 1} and {b.line + 1}"
+                                    if a.line != b.line
+                                    else f"line {a.line + 1}, columns {a.column + 1} and {b.column + 1}"
+                                )
                                 out.append((a.line, f"{f'{where}.{key}' if where else key} is written twice ({at})"))
                             else:
                                 first[key] = k.start_mark
@@ -104,7 +113,9 @@ def _check_size(data: Any, source: str, limit: int = 100_000) -> None:
         node = stack.pop()
         seen += 1
         if seen > limit:
-            raise RecipeError(f"{source}: the YAML expands to over {limit} values (an alias bomb?); write the recipe out plainly")
+            raise RecipeError(
+                f"{source}: the YAML expands to over {limit} values (an alias bomb?); write the recipe out plainly"
+            )
         if isinstance(node, dict):
             stack.extend(node.keys())
             stack.extend(node.values())
@@ -195,7 +206,9 @@ def _check_files(r: Recipe) -> list[str]:
             elif not has_st and not has_bin:
                 problems.append(f"base.model: {p} holds no weights (*.safetensors)")
         if r.base.revision is not None:
-            problems.append(f"base.revision: applies to hub ids only, and base.model is the local directory {p}; remove it")
+            problems.append(
+                f"base.revision: applies to hub ids only, and base.model is the local directory {p}; remove it"
+            )
     for i, a in enumerate(r.adapters):
         p = Path(a.path)
         if not p.is_dir():
@@ -225,7 +238,9 @@ def _check_files(r: Recipe) -> list[str]:
         if ev.validation.json_schema and not Path(ev.validation.json_schema).is_file():
             problems.append(f"evaluation.validation.json_schema: {ev.validation.json_schema} does not exist")
     if ev.fidelity and not Path(ev.fidelity.path).is_file():
-        problems.append(f"evaluation.fidelity.path: {ev.fidelity.path} does not exist; point it at a JSONL file of held-out documents, one {{\"text\": ...}} per line")
+        problems.append(
+            f'evaluation.fidelity.path: {ev.fidelity.path} does not exist; point it at a JSONL file of held-out documents, one {{"text": ...}} per line'
+        )
     return problems
 
 
@@ -241,7 +256,9 @@ def parse(text: str, root: Path, source: str = "recipe", check_files: bool = Tru
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError(f"{source}: not valid YAML{where}: {getattr(e, 'problem', None) or e}. Fix the syntax there.") from None
+        raise RecipeError(
+            f"{source}: not valid YAML{where}: {getattr(e, 'problem', None) or e}. Fix the syntax there."
+        ) from None
     except RecursionError:
         raise RecipeError(f"{source}: YAML nested too deeply") from None
     if not isinstance(data, dict):
@@ -258,9 +275,13 @@ def parse(text: str, root: Path, source: str = "recipe", check_files: bool = Tru
     try:
         problems = _check_files(recipe) if check_files else []
     except OSError as e:  # a path the file system refuses (too long, no permission to look): name it
-        raise RecipeError(f"{source}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path") from None
+        raise RecipeError(
+            f"{source}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path"
+        ) from None
     if problems:
-        raise RecipeError(f"{source}: {len(problems)} problem(s) with the files it names:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise RecipeError(
+            f"{source}: {len(problems)} problem(s) with the files it names:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
     return recipe
 
 

@@ -50,21 +50,31 @@ class _Artifact(Strict):
                 try:
                     re.compile(p[3:])
                 except re.error as e:
-                    raise ValueError(f"{p!r} is not a valid regular expression ({e}); fix the pattern after `re:`") from None
+                    raise ValueError(
+                        f"{p!r} is not a valid regular expression ({e}); fix the pattern after `re:`"
+                    ) from None
         return v
 
 
 def _legacy_options(a: _Artifact, backend: str) -> None:
     """Options of the llm-compressor path that a legacy backend cannot honour are refused, not ignored."""
     if list(a.targets) != ["Linear"]:
-        raise ValueError(f"backend {backend} quantizes the Linear layers of the decoder blocks only: remove `targets` or use backend: llm-compressor")
+        raise ValueError(
+            f"backend {backend} quantizes the Linear layers of the decoder blocks only: remove `targets` or use backend: llm-compressor"
+        )
     if "lm_head" not in a.ignore:
-        raise ValueError(f"backend {backend} cannot quantize lm_head: keep lm_head in `ignore` or use backend: llm-compressor")
+        raise ValueError(
+            f"backend {backend} cannot quantize lm_head: keep lm_head in `ignore` or use backend: llm-compressor"
+        )
     if any(i.startswith("re:") for i in a.ignore) and backend == "autoawq":
-        raise ValueError("backend autoawq skips modules by name (substring), not by `re:` pattern: list the names in `ignore`")
+        raise ValueError(
+            "backend autoawq skips modules by name (substring), not by `re:` pattern: list the names in `ignore`"
+        )
     for key in ("pipeline", "sequential_targets"):
         if getattr(a, key) is not None:
-            raise ValueError(f"`{key}` is an llm-compressor option; backend {backend} has none: remove it or use backend: llm-compressor")
+            raise ValueError(
+                f"`{key}` is an llm-compressor option; backend {backend} has none: remove it or use backend: llm-compressor"
+            )
 
 
 class AWQ(_Artifact):
@@ -74,7 +84,8 @@ class AWQ(_Artifact):
     duo_scaling: bool = True
     n_grid: int = Field(20, ge=1, le=100, description="Grid points searched per smoothing scale.")
     backend: Literal["llm-compressor", "autoawq"] = Field(
-        "llm-compressor", description="autoawq: legacy AutoAWQ GEMM checkpoint, in its own environment (`make setup-legacy`)."
+        "llm-compressor",
+        description="autoawq: legacy AutoAWQ GEMM checkpoint, in its own environment (`make setup-legacy`).",
     )
 
     @model_validator(mode="after")
@@ -82,9 +93,13 @@ class AWQ(_Artifact):
         if self.backend == "autoawq":
             _legacy_options(self, "autoawq")
             if self.symmetric:
-                raise ValueError("backend autoawq writes the GEMM format, which needs zero points: remove `symmetric: true` or use backend: llm-compressor")
+                raise ValueError(
+                    "backend autoawq writes the GEMM format, which needs zero points: remove `symmetric: true` or use backend: llm-compressor"
+                )
             if self.n_grid != 20:
-                raise ValueError(f"backend autoawq searches a fixed grid of 20 points: remove `n_grid: {self.n_grid}` or use backend: llm-compressor")
+                raise ValueError(
+                    f"backend autoawq searches a fixed grid of 20 points: remove `n_grid: {self.n_grid}` or use backend: llm-compressor"
+                )
         return self
 
 
@@ -96,7 +111,8 @@ class GPTQ(_Artifact):
     dampening_frac: float = Field(0.01, gt=0, lt=1)
     block_size: int = Field(128, ge=1)
     backend: Literal["llm-compressor", "gptqmodel", "auto-gptq"] = Field(
-        "llm-compressor", description="gptqmodel: GPTQModel's GPTQ checkpoint, in its own environment (`make setup-legacy`)."
+        "llm-compressor",
+        description="gptqmodel: GPTQModel's GPTQ checkpoint, in its own environment (`make setup-legacy`).",
     )
 
     @field_validator("backend")
@@ -113,19 +129,24 @@ class GPTQ(_Artifact):
     def _gptqmodel_options(self):
         if self.backend == "llm-compressor" and self.actorder == "group":
             # llm-compressor 0.14 reorders by weight only (apply_activation_ordering raises inside oneshot)
-            raise ValueError("actorder group is not supported by llm-compressor's GPTQ (it takes static, i.e. weight, or none): "
-                             "use actorder: static, or backend: gptqmodel, which still has it")
+            raise ValueError(
+                "actorder group is not supported by llm-compressor's GPTQ (it takes static, i.e. weight, or none): "
+                "use actorder: static, or backend: gptqmodel, which still has it"
+            )
         if self.backend == "gptqmodel":
             _legacy_options(self, "gptqmodel")
             if self.block_size != 128:
-                raise ValueError(f"backend gptqmodel works in fixed blocks of 128 columns: remove `block_size: {self.block_size}` or use backend: llm-compressor")
+                raise ValueError(
+                    f"backend gptqmodel works in fixed blocks of 128 columns: remove `block_size: {self.block_size}` or use backend: llm-compressor"
+                )
         return self
 
 
 class FP8(_Artifact):
     method: Literal["fp8"]
     mode: Literal["dynamic", "static", "block"] = Field(
-        "dynamic", description="dynamic: FP8_DYNAMIC (no calibration); static: calibrated per-tensor activations; block: FP8_BLOCK."
+        "dynamic",
+        description="dynamic: FP8_DYNAMIC (no calibration); static: calibrated per-tensor activations; block: FP8_BLOCK.",
     )
 
 
@@ -141,12 +162,19 @@ class RTN(_Artifact):
     method: Literal["rtn"]
     bits: Literal[4, 8] = 4
     group_size: Literal[32, 64, 128, 256] = 128
-    symmetric: bool = Field(True, description="Symmetric (W4A16) or with zero points (W4A16_ASYM: the like-for-like reference for AWQ's default).")
+    symmetric: bool = Field(
+        True,
+        description="Symmetric (W4A16) or with zero points (W4A16_ASYM: the like-for-like reference for AWQ's default).",
+    )
 
 
 Artifact = Annotated[Union[AWQ, GPTQ, FP8, W8A8Int8, RTN], Field(discriminator="method")]
 METHODS = ("awq", "gptq", "fp8", "w8a8-int8", "rtn")
-GROUPED = {"awq": AWQ, "gptq": GPTQ, "rtn": RTN}  # the methods that quantize weights in groups along the input dimension
+GROUPED = {
+    "awq": AWQ,
+    "gptq": GPTQ,
+    "rtn": RTN,
+}  # the methods that quantize weights in groups along the input dimension
 
 
 def group_sizes(method: str) -> tuple[int, ...]:

@@ -31,7 +31,9 @@ class Base(Strict):
     model: str = Field(description="Local model directory, or a hub id (org/name) where a network is available.")
     revision: str | None = Field(None, description="Hub revision (hub ids only).")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    trust_remote_code: bool = Field(False, description="Run modelling code shipped with the model. Off unless you trust it.")
+    trust_remote_code: bool = Field(
+        False, description="Run modelling code shipped with the model. Off unless you trust it."
+    )
     allow_pickle: bool = Field(False, description="Accept pickle (.bin) weights. Off: only safetensors load.")
 
     @property
@@ -48,7 +50,9 @@ class Adapter(Strict):
 
 
 class CalibrationSource(Strict):
-    path: str | None = Field(None, description="Local .jsonl, .json or .parquet file with a `text` field or chat `messages`.")
+    path: str | None = Field(
+        None, description="Local .jsonl, .json or .parquet file with a `text` field or chat `messages`."
+    )
     dataset: str | None = Field(None, description="Hub dataset id (needs a network).")
     split: str = "train"
     column: str | None = Field(None, description="Field holding the text (default: `text`, or `messages` for chat).")
@@ -85,8 +89,12 @@ class LmEval(Strict):
     seed: int = 1234
     backend: Literal["auto", "hf", "vllm"] = "auto"
     gpu_memory_utilization: float | None = Field(
-        None, gt=0, le=1, description="vllm backend on a GPU: the share of GPU memory an evaluation's own server reserves (None: vLLM's 0.9); "
-                                       "an evaluation answered by the benchmark's server uses benchmark.engine's. Lower it to share the GPU.")
+        None,
+        gt=0,
+        le=1,
+        description="vllm backend on a GPU: the share of GPU memory an evaluation's own server reserves (None: vLLM's 0.9); "
+        "an evaluation answered by the benchmark's server uses benchmark.engine's. Lower it to share the GPU.",
+    )
 
     @field_validator("tasks")
     @classmethod
@@ -98,7 +106,9 @@ class LmEval(Strict):
     @model_validator(mode="after")
     def _gpu_share_needs_vllm(self):
         if self.gpu_memory_utilization is not None and self.backend == "hf":
-            raise ValueError("gpu_memory_utilization applies to the vllm backend only; remove it, or set backend: vllm (or auto)")
+            raise ValueError(
+                "gpu_memory_utilization applies to the vllm backend only; remove it, or set backend: vllm (or auto)"
+            )
         return self
 
 
@@ -106,25 +116,43 @@ class Validation(Strict):
     path: str = Field(description="JSONL with `prompt` (or chat `messages`) and `reference` per row.")
     metric: Literal["exact_match", "contains", "regex", "json_valid"] = "exact_match"
     max_new_tokens: int = Field(32, ge=1, le=4096)
-    stop: list[str] = Field(default_factory=list, description="Cut each output at the first of these strings (e.g. [\"\\n\"]) before scoring.")
+    stop: list[str] = Field(
+        default_factory=list, description='Cut each output at the first of these strings (e.g. ["\\n"]) before scoring.'
+    )
     json_schema: str | None = Field(None, description="JSON schema file the output must match (metric json_valid).")
 
 
 class Fidelity(Strict):
-    path: str = Field(description="JSONL of held-out documents, one `{\"text\": ...}` per line, on which the artifact's next-token "
-                                  "distributions are compared with the baseline's (KL, top-1 agreement, perplexity).")
-    max_tokens: int = Field(20_000, ge=32, le=10_000_000, description=(
-        "Token budget: the documents are tokenized (BOS by the tokenizer's rule), concatenated and cut into windows of "
-        "`seq_len` tokens until this many tokens are taken; a shorter text gives fewer windows."))
-    seq_len: int = Field(256, ge=16, le=131_072, description=(
-        "Tokens per window. Every position after a window's first is scored; the 95% intervals resample windows, "
-        "not tokens, because tokens within a window are correlated."))
+    path: str = Field(
+        description='JSONL of held-out documents, one `{"text": ...}` per line, on which the artifact\'s next-token '
+        "distributions are compared with the baseline's (KL, top-1 agreement, perplexity)."
+    )
+    max_tokens: int = Field(
+        20_000,
+        ge=32,
+        le=10_000_000,
+        description=(
+            "Token budget: the documents are tokenized (BOS by the tokenizer's rule), concatenated and cut into windows of "
+            "`seq_len` tokens until this many tokens are taken; a shorter text gives fewer windows."
+        ),
+    )
+    seq_len: int = Field(
+        256,
+        ge=16,
+        le=131_072,
+        description=(
+            "Tokens per window. Every position after a window's first is scored; the 95% intervals resample windows, "
+            "not tokens, because tokens within a window are correlated."
+        ),
+    )
 
     @model_validator(mode="after")
     def _two_windows(self):
         if self.max_tokens < 2 * self.seq_len:
-            raise ValueError(f"max_tokens {self.max_tokens} holds fewer than two windows of seq_len {self.seq_len} (the intervals "
-                             f"resample windows); raise max_tokens to at least {2 * self.seq_len} or lower seq_len")
+            raise ValueError(
+                f"max_tokens {self.max_tokens} holds fewer than two windows of seq_len {self.seq_len} (the intervals "
+                f"resample windows); raise max_tokens to at least {2 * self.seq_len} or lower seq_len"
+            )
         return self
 
 
@@ -132,31 +160,63 @@ class Gates(Strict):
     """Each gate is checked on the 95% interval's bound, not the estimate: an artifact passes only when the interval lies
     on the right side of the gate (where a figure has no interval, its estimate is compared and the failure says so)."""
 
-    min_recovery: float | None = Field(None, gt=0, le=2, description=(
-        "Every task metric: artifact/baseline at least this, checked on the lower bound of the recovery's paired-bootstrap 95% CI."))
-    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(default_factory=dict, description=(
-        "Per task (lm-eval task name, or `validation`): replaces min_recovery for that task; checked on the lower bound as well."))
-    max_kl: float | None = Field(None, ge=0, description=(
-        "Mean next-token KL divergence vs the baseline at most this, checked on the upper bound of its 95% interval "
-        "(bootstrap over windows). Needs evaluation.fidelity or evaluation.validation."))
-    min_top1_agreement: float | None = Field(None, ge=0, le=1, description=(
-        "Share of positions where the artifact's top token is the baseline's, at least this, checked on the lower bound of "
-        "its 95% interval. Needs evaluation.fidelity or evaluation.validation."))
+    min_recovery: float | None = Field(
+        None,
+        gt=0,
+        le=2,
+        description=(
+            "Every task metric: artifact/baseline at least this, checked on the lower bound of the recovery's paired-bootstrap 95% CI."
+        ),
+    )
+    min_recovery_per_task: dict[str, Annotated[float, Field(gt=0, le=2)]] = Field(
+        default_factory=dict,
+        description=(
+            "Per task (lm-eval task name, or `validation`): replaces min_recovery for that task; checked on the lower bound as well."
+        ),
+    )
+    max_kl: float | None = Field(
+        None,
+        ge=0,
+        description=(
+            "Mean next-token KL divergence vs the baseline at most this, checked on the upper bound of its 95% interval "
+            "(bootstrap over windows). Needs evaluation.fidelity or evaluation.validation."
+        ),
+    )
+    min_top1_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description=(
+            "Share of positions where the artifact's top token is the baseline's, at least this, checked on the lower bound of "
+            "its 95% interval. Needs evaluation.fidelity or evaluation.validation."
+        ),
+    )
 
 
 class Evaluation(Strict):
     lm_eval: LmEval | None = None
     validation: Validation | None = None
-    fidelity: Fidelity | None = Field(None, description=(
-        "Held-out documents for the fidelity figures (KL, top-1 agreement, perplexity vs the baseline). Unset: they are "
-        "measured on the reference tokens of the validation rows."))
+    fidelity: Fidelity | None = Field(
+        None,
+        description=(
+            "Held-out documents for the fidelity figures (KL, top-1 agreement, perplexity vs the baseline). Unset: they are "
+            "measured on the reference tokens of the validation rows."
+        ),
+    )
     add_bos: bool | None = Field(
-        None, description="Prepend BOS to raw-text prompts (lm-eval, validation, fidelity). None: the tokenizer's own rule, as vLLM and lm-eval do."
+        None,
+        description="Prepend BOS to raw-text prompts (lm-eval, validation, fidelity). None: the tokenizer's own rule, as vLLM and lm-eval do.",
     )
     gates: Gates = Gates()
-    bootstrap_samples: int = Field(1000, ge=100, le=100_000, description=(
-        "Resamples of every 95% interval of the evaluate stage (fixed seed): recovery, paired over examples; fidelity, over "
-        "windows (validation rows without evaluation.fidelity)."))
+    bootstrap_samples: int = Field(
+        1000,
+        ge=100,
+        le=100_000,
+        description=(
+            "Resamples of every 95% interval of the evaluate stage (fixed seed): recovery, paired over examples; fidelity, over "
+            "windows (validation rows without evaluation.fidelity)."
+        ),
+    )
 
     @model_validator(mode="after")
     def _gates_can_be_checked(self):
@@ -165,15 +225,21 @@ class Evaluation(Strict):
         if self.validation is None and self.fidelity is None:
             for key in ("max_kl", "min_top1_agreement"):
                 if getattr(g, key) is not None:
-                    raise ValueError(f"gates.{key} compares next-token distributions with the baseline's: add evaluation.validation "
-                                     "(scored on its references) or evaluation.fidelity (held-out documents), or remove the gate")
+                    raise ValueError(
+                        f"gates.{key} compares next-token distributions with the baseline's: add evaluation.validation "
+                        "(scored on its references) or evaluation.fidelity (held-out documents), or remove the gate"
+                    )
         if self.lm_eval is None and self.validation is None and (g.min_recovery is not None or g.min_recovery_per_task):
-            raise ValueError("gates.min_recovery needs something evaluated: add evaluation.lm_eval or evaluation.validation, or remove the gate")
+            raise ValueError(
+                "gates.min_recovery needs something evaluated: add evaluation.lm_eval or evaluation.validation, or remove the gate"
+            )
         if self.lm_eval is None:
             stray = sorted(set(g.min_recovery_per_task) - {"validation"})
             if stray:
-                raise ValueError(f"gates.min_recovery_per_task names {', '.join(map(repr, stray))}, but no lm_eval task runs "
-                                 "(without evaluation.lm_eval the only task is 'validation'); fix the name or add the task")
+                raise ValueError(
+                    f"gates.min_recovery_per_task names {', '.join(map(repr, stray))}, but no lm_eval task runs "
+                    "(without evaluation.lm_eval the only task is 'validation'); fix the name or add the task"
+                )
         return self
 
 
@@ -189,9 +255,14 @@ class Engine(Strict):
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
     tensor_parallel_size: int | None = Field(None, ge=1)
     enforce_eager: bool | None = None
-    kv_cache_memory_bytes: int | None = Field(None, ge=1 << 20, description=(
-        "KV-cache size (vLLM's CPU backend needs one; quantpipe picks it when unset). On a GPU it replaces vLLM's sizing "
-        "from the free memory at start-up, which lets the scheduler share the GPU outside the measured runs."))
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        description=(
+            "KV-cache size (vLLM's CPU backend needs one; quantpipe picks it when unset). On a GPU it replaces vLLM's sizing "
+            "from the free memory at start-up, which lets the scheduler share the GPU outside the measured runs."
+        ),
+    )
     extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` flags, passed as given.")
 
     @field_validator("extra_args")
@@ -205,8 +276,10 @@ class Engine(Strict):
             flag = a.split("=")[0].replace("_", "-")
             name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag.removeprefix("--")
             if flag.startswith("--") and name in fields:
-                raise ValueError(f"{a.split('=')[0]} is an engine field: set `{fields[name]}` in the engine instead "
-                                 "(quantpipe reads it to check workloads and estimate memory)")
+                raise ValueError(
+                    f"{a.split('=')[0]} is an engine field: set `{fields[name]}` in the engine instead "
+                    "(quantpipe reads it to check workloads and estimate memory)"
+                )
         return v
 
 
@@ -226,12 +299,18 @@ class Workload(Strict):
     @model_validator(mode="after")
     def _lengths_fit_the_kind(self):
         if self.kind == "shared_prefix" and self.prefix_len == 0:
-            raise ValueError("kind shared_prefix needs prefix_len (the shared system prompt's tokens, at least 1); set it, or use kind fixed")
+            raise ValueError(
+                "kind shared_prefix needs prefix_len (the shared system prompt's tokens, at least 1); set it, or use kind fixed"
+            )
         if self.kind != "shared_prefix" and self.prefix_len:
-            raise ValueError(f"prefix_len applies to kind shared_prefix only; remove it, or set kind: shared_prefix (this one is {self.kind})")
+            raise ValueError(
+                f"prefix_len applies to kind shared_prefix only; remove it, or set kind: shared_prefix (this one is {self.kind})"
+            )
         # compared with the default, not with the fields set, so that a dumped recipe validates again as it was
         if self.kind == "validation" and self.input_len != type(self).model_fields["input_len"].default:
-            raise ValueError("input_len does not apply to kind validation (its prompts are the validation set's); remove it")
+            raise ValueError(
+                "input_len does not apply to kind validation (its prompts are the validation set's); remove it"
+            )
         return self
 
     @property
@@ -251,20 +330,34 @@ class SLO(Strict):
 class Benchmark(Strict):
     enabled: bool = True
     engine: Engine = Engine()
-    variants: list[Variant] = Field(default_factory=list, description="Engine-argument variants measured beside `engine`.")
+    variants: list[Variant] = Field(
+        default_factory=list, description="Engine-argument variants measured beside `engine`."
+    )
     workloads: list[Workload] = Field(default_factory=lambda: [Workload(name="fixed")])
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
     slo: SLO = SLO()
     offline: bool = Field(True, description="Also measure offline batch-1 latency and throughput.")
     lora: bool = Field(True, description="With adapters: also serve base + adapter at request time.")
-    precision: float | None = Field(None, gt=0, lt=1, description=(
-        "Target 95% half-width of each point's median TPOT, median e2e latency and output throughput (0.03 = ±3 %). "
-        "A point whose run of `num_prompts` requests is wider runs again with as many requests as its spread asks, "
-        "up to `max_prompts`. Unset: `num_prompts` requests per point."))
+    precision: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description=(
+            "Target 95% half-width of each point's median TPOT, median e2e latency and output throughput (0.03 = ±3 %). "
+            "A point whose run of `num_prompts` requests is wider runs again with as many requests as its spread asks, "
+            "up to `max_prompts`. Unset: `num_prompts` requests per point."
+        ),
+    )
     max_prompts: int = Field(512, ge=1, le=100_000, description="With `precision`: the most requests one point runs.")
-    goodput_search: int | None = Field(None, ge=1, le=4096, description=(
-        "Also search, on the first workload, for the highest concurrency up to this at which the SLO holds (bisection "
-        "from the sweep's points, to within 10 %): the artifact's goodput at the SLO is then the search's. Needs `slo`."))
+    goodput_search: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description=(
+            "Also search, on the first workload, for the highest concurrency up to this at which the SLO holds (bisection "
+            "from the sweep's points, to within 10 %): the artifact's goodput at the SLO is then the search's. Needs `slo`."
+        ),
+    )
     seed: int = 0
 
     @field_validator("concurrency")
@@ -277,15 +370,19 @@ class Benchmark(Strict):
     @model_validator(mode="after")
     def _unique_names(self):
         if self.goodput_search and all(v is None for v in self.slo.model_dump().values()):
-            raise ValueError("goodput_search looks for the highest load within the SLO, and slo sets no bound: set slo "
-                             "(e.g. ttft_p99_ms: 500, tpot_p99_ms: 50) or remove goodput_search")
+            raise ValueError(
+                "goodput_search looks for the highest load within the SLO, and slo sets no bound: set slo "
+                "(e.g. ttft_p99_ms: 500, tpot_p99_ms: 50) or remove goodput_search"
+            )
         # results are keyed by variant and workload name (runs/, report, compare)
         dup = _repeated(w.name for w in self.workloads)
         if dup:
             raise ValueError(f"workload names must be unique; repeated: {', '.join(dup)}")
         dup = _repeated(["default"] + [v.name for v in self.variants])
         if dup:
-            raise ValueError(f"variant names must be unique and not 'default' (the name of `engine` itself); repeated: {', '.join(dup)}")
+            raise ValueError(
+                f"variant names must be unique and not 'default' (the name of `engine` itself); repeated: {', '.join(dup)}"
+            )
         return self
 
 
@@ -302,22 +399,32 @@ class Package(Strict):
 
 
 class MlflowTracking(Strict):
-    uri: str = Field(min_length=1, description="Tracking server, e.g. http://mlflow.internal:5000 (credentials go in MLFLOW_TRACKING_TOKEN or "
-                                                "MLFLOW_TRACKING_USERNAME/PASSWORD, never in the URI). `run --mlflow URI` overrides it.")
-    experiment: str | None = Field(None, min_length=1, description="Experiment to log runs to (default: the recipe's name).")
+    uri: str = Field(
+        min_length=1,
+        description="Tracking server, e.g. http://mlflow.internal:5000 (credentials go in MLFLOW_TRACKING_TOKEN or "
+        "MLFLOW_TRACKING_USERNAME/PASSWORD, never in the URI). `run --mlflow URI` overrides it.",
+    )
+    experiment: str | None = Field(
+        None, min_length=1, description="Experiment to log runs to (default: the recipe's name)."
+    )
 
     @field_validator("uri")
     @classmethod
     def _no_credentials(cls, v: str) -> str:
         if re.match(r"^[a-z][a-z0-9+.-]*://[^/@]+@", v, re.I):
-            raise ValueError("the MLflow URI carries credentials, which would be written to run.json; put them in "
-                             "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD instead")
+            raise ValueError(
+                "the MLflow URI carries credentials, which would be written to run.json; put them in "
+                "MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD instead"
+            )
         return v
 
 
 class Tracking(Strict):
-    mlflow: MlflowTracking | None = Field(None, description="Log each run to MLflow and register its packages as model versions; "
-                                                            "the run's own files stay the record, and a run still succeeds when the server is down.")
+    mlflow: MlflowTracking | None = Field(
+        None,
+        description="Log each run to MLflow and register its packages as model versions; "
+        "the run's own files stay the record, and a run still succeeds when the server is down.",
+    )
 
 
 # --- the recipe -------------------------------------------------------------------------------
@@ -325,7 +432,12 @@ class Tracking(Strict):
 
 class Recipe(Strict):
     name: str = Field(description="Name of this build; used in run ids and reports.")
-    notes: str | None = Field(None, min_length=1, max_length=2000, description="Shown at the top of the report and of each package's model card: what a reader must know about this build (e.g. that the weights are random, so accuracy figures mean nothing).")
+    notes: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2000,
+        description="Shown at the top of the report and of each package's model card: what a reader must know about this build (e.g. that the weights are random, so accuracy figures mean nothing).",
+    )
     output_dir: str = Field(description="Where runs, packages and reports go (relative to the recipe file).")
     cache_dir: str | None = Field(None, description="Stage cache (default: $QUANTPIPE_CACHE or ~/.cache/quantpipe).")
     base: Base
@@ -352,12 +464,16 @@ class Recipe(Strict):
             raise ValueError(f"artifact names must be unique; repeated: {', '.join(sorted(dup))}")
         if "baseline" in names:
             raise ValueError("'baseline' is reserved for the unquantized merged model; rename that artifact")
-        needs_cal = [a.name for a in self.artifacts if not (a.method == "fp8" and a.mode != "static") and a.method != "rtn"]
+        needs_cal = [
+            a.name for a in self.artifacts if not (a.method == "fp8" and a.mode != "static") and a.method != "rtn"
+        ]
         if needs_cal and self.calibration is None:
             raise ValueError(f"artifacts {', '.join(needs_cal)} need calibration data: add a `calibration:` section")
         if self.benchmark.enabled and self.evaluation.validation is None:
             bad = [w.name for w in self.benchmark.workloads if w.kind == "validation"]
             if bad:
-                raise ValueError(f"workload {bad[0]!r} has kind validation, which sends the validation set's prompts, but "
-                                 "evaluation.validation is not set; add it, or use kind fixed")
+                raise ValueError(
+                    f"workload {bad[0]!r} has kind validation, which sends the validation set's prompts, but "
+                    "evaluation.validation is not set; add it, or use kind fixed"
+                )
         return self

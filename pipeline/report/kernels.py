@@ -18,10 +18,24 @@ from .records import _d, _s
 ATTENTION = re.compile(r"\bUsing (\w+) attention backend|\bUsing (\w+) backend\.")
 FP8_MARLIN = re.compile(r"Weight-only FP8 compression will be used leveraging the Marlin kernel")
 # the kernel class's family, as vLLM's docs name them (longest prefix first)
-FAMILIES = [("MarlinFP8", "FP8 Marlin (weight-only)"), ("Machete", "Machete"), ("Marlin", "Marlin"), ("CutlassW4A8", "CUTLASS W4A8"),
-            ("Cutlass", "CUTLASS"), ("FlashInfer", "FlashInfer"), ("DeepGemm", "DeepGEMM"), ("Triton", "Triton"), ("Exllama", "ExLlama"),
-            ("Conch", "Conch"), ("Allspark", "AllSpark"), ("Aiter", "AITER"), ("Zentorch", "zentorch"), ("CPU", "vLLM CPU"),
-            ("Torch", "torch._scaled_mm"), ("Dynamic4bit", "dynamic 4-bit (CPU)")]
+FAMILIES = [
+    ("MarlinFP8", "FP8 Marlin (weight-only)"),
+    ("Machete", "Machete"),
+    ("Marlin", "Marlin"),
+    ("CutlassW4A8", "CUTLASS W4A8"),
+    ("Cutlass", "CUTLASS"),
+    ("FlashInfer", "FlashInfer"),
+    ("DeepGemm", "DeepGEMM"),
+    ("Triton", "Triton"),
+    ("Exllama", "ExLlama"),
+    ("Conch", "Conch"),
+    ("Allspark", "AllSpark"),
+    ("Aiter", "AITER"),
+    ("Zentorch", "zentorch"),
+    ("CPU", "vLLM CPU"),
+    ("Torch", "torch._scaled_mm"),
+    ("Dynamic4bit", "dynamic 4-bit (CPU)"),
+]
 CPU_ATTENTION = "CPU_ATTN"  # vllm/platforms/cpu.py returns it for every non-MLA model without logging a line
 
 
@@ -33,14 +47,24 @@ def family(kernel: str) -> str:
 
 
 def parse_server_log(text: str) -> dict:
-    schemes: dict[str, list[str]] = {}  # kernel -> what vLLM said it serves ("CompressedTensorsWNA16", "mixed-precision linear")
+    schemes: dict[
+        str, list[str]
+    ] = {}  # kernel -> what vLLM said it serves ("CompressedTensorsWNA16", "mixed-precision linear")
     for m in LINEAR.finditer(text):
         if not m.group(1).endswith("Config") and m.group(2) not in schemes.setdefault(m.group(1), []):
             schemes[m.group(1)].append(m.group(2))
-    linear = [{"kernel": k, "family": family(k), "scheme": ", ".join([x for x in v if x != "mixed-precision linear"] or v)}
-              for k, v in schemes.items()]
+    linear = [
+        {"kernel": k, "family": family(k), "scheme": ", ".join([x for x in v if x != "mixed-precision linear"] or v)}
+        for k, v in schemes.items()
+    ]
     if FP8_MARLIN.search(text) and not any(x["family"].startswith("FP8 Marlin") for x in linear):
-        linear.append({"kernel": "MarlinFP8ScaledMMLinearKernel", "family": "FP8 Marlin (weight-only)", "scheme": "FP8 (no FP8 compute on this GPU)"})
+        linear.append(
+            {
+                "kernel": "MarlinFP8ScaledMMLinearKernel",
+                "family": "FP8 Marlin (weight-only)",
+                "scheme": "FP8 (no FP8 compute on this GPU)",
+            }
+        )
     att = [a or b for a, b in ATTENTION.findall(text)]
     return {"linear": linear, "attention": att[-1] if att else None}
 
@@ -53,10 +77,21 @@ def serving_info(stage: dict, variant: str | None) -> dict | None:
     variants = _d(m.get("variants"))
     info = _d(variants.get(variant or "default")) or _d(variants.get("default"))
     platform = _s(m.get("platform"))
-    out = {"platform": platform, "variant": variant or "default", "linear": [], "attention": None, "source": None, "note": None}
+    out = {
+        "platform": platform,
+        "variant": variant or "default",
+        "linear": [],
+        "attention": None,
+        "source": None,
+        "note": None,
+    }
     given = _d(info.get("kernels")) or _d(m.get("kernels"))  # a benchmark stage that records them itself
     if given:
-        out |= {"linear": [x for x in given.get("linear", []) if isinstance(x, dict)], "attention": _s(given.get("attention")), "source": "benchmark metrics"}
+        out |= {
+            "linear": [x for x in given.get("linear", []) if isinstance(x, dict)],
+            "attention": _s(given.get("attention")),
+            "source": "benchmark metrics",
+        }
     else:
         log_rel = _s(info.get("log")) or "logs/server-default.log"
         path = Path(str(stage.get("out") or "")) / log_rel
@@ -65,7 +100,9 @@ def serving_info(stage: dict, variant: str | None) -> dict | None:
         except OSError:
             text = None
         if text is None:
-            out["note"] = "the server log is not at hand (the stage's cache entry is gone), so the kernels are not known"
+            out["note"] = (
+                "the server log is not at hand (the stage's cache entry is gone), so the kernels are not known"
+            )
             return out
         out |= parse_server_log(text)
         out["source"] = f"server log {log_rel}"

@@ -7,8 +7,14 @@ covers no other label, no other point and stays inside the axes; points that coi
 from __future__ import annotations
 
 # offsets in points from the point, with the text's alignment: right, left, above, below, then wider rings
-_RING = [((7, 5), "left", "bottom"), ((7, -5), "left", "top"), ((-7, 5), "right", "bottom"), ((-7, -5), "right", "top"),
-         ((0, 9), "center", "bottom"), ((0, -9), "center", "top")]
+_RING = [
+    ((7, 5), "left", "bottom"),
+    ((7, -5), "left", "top"),
+    ((-7, 5), "right", "bottom"),
+    ((-7, -5), "right", "top"),
+    ((0, 9), "center", "bottom"),
+    ((0, -9), "center", "top"),
+]
 OFFSETS = [((dx * k, dy * k), ha, va) for k in (1, 2.2, 3.6) for (dx, dy), ha, va in _RING]
 MARKER_PX = 6  # half the size of a marker, in pixels
 
@@ -34,7 +40,9 @@ def group_coinciding(ax, points: list[tuple[float, float, str]], px: float = 4.0
     return [(g[3], g[4], " · ".join(g[2])) for g in groups]
 
 
-def place_labels(ax, points: list[tuple[float, float, str]], fontsize: float = 8, avoid: list[tuple[float, float]] = ()) -> list[list[float]]:
+def place_labels(
+    ax, points: list[tuple[float, float, str]], fontsize: float = 8, avoid: list[tuple[float, float]] = ()
+) -> list[list[float]]:
     """Draw a label per (grouped) point where it overlaps nothing placed before it; return the labels' display boxes."""
     fig = ax.figure
     fig.canvas.draw()  # the renderer knows text extents only after a draw
@@ -47,17 +55,44 @@ def place_labels(ax, points: list[tuple[float, float, str]], fontsize: float = 8
     marker_boxes = [(mx - MARKER_PX, my - MARKER_PX, mx + MARKER_PX, my + MARKER_PX) for mx, my in markers]
     placed: list[list[float]] = []
     # the most crowded points first: they have the fewest free places
-    order = sorted(range(len(pts)), key=lambda i: -sum(1 for j in range(len(pts)) if abs(markers[i][0] - markers[j][0]) + abs(markers[i][1] - markers[j][1]) < 40))
+    order = sorted(
+        range(len(pts)),
+        key=lambda i: (
+            -sum(
+                1
+                for j in range(len(pts))
+                if abs(markers[i][0] - markers[j][0]) + abs(markers[i][1] - markers[j][1]) < 40
+            )
+        ),
+    )
     for i in order:
         x, y, text = pts[i]
         best = None
         for (dx, dy), ha, va in OFFSETS:
-            ann = ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va, fontsize=fontsize, zorder=6,
-                              bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8})
+            ann = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                ha=ha,
+                va=va,
+                fontsize=fontsize,
+                zorder=6,
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+            )
             bb = ann.get_window_extent(renderer)
             box = [bb.x0, bb.y0, bb.x1, bb.y1]
-            outside = max(0.0, limits[0] - box[0]) + max(0.0, box[2] - limits[2]) + max(0.0, limits[1] - box[1]) + max(0.0, box[3] - limits[3])
-            cost = sum(_overlap(box, p) for p in placed) + sum(_overlap(box, m) for k, m in enumerate(marker_boxes) if k != i) + 50 * outside
+            outside = (
+                max(0.0, limits[0] - box[0])
+                + max(0.0, box[2] - limits[2])
+                + max(0.0, limits[1] - box[1])
+                + max(0.0, box[3] - limits[3])
+            )
+            cost = (
+                sum(_overlap(box, p) for p in placed)
+                + sum(_overlap(box, m) for k, m in enumerate(marker_boxes) if k != i)
+                + 50 * outside
+            )
             if best is None or cost < best[0]:
                 if best is not None:
                     best[1].remove()
@@ -68,7 +103,13 @@ def place_labels(ax, points: list[tuple[float, float, str]], fontsize: float = 8
                 break
         _, ann, box, (dx, dy) = best
         if abs(dx) > 10 or abs(dy) > 12:  # far from its point: a thin leader line says whose label it is
-            ax.annotate("", (x, y), xytext=(dx, dy), textcoords="offset points",
-                        arrowprops={"arrowstyle": "-", "color": "#888", "lw": 0.6, "shrinkA": 0, "shrinkB": 4}, zorder=5)
+            ax.annotate(
+                "",
+                (x, y),
+                xytext=(dx, dy),
+                textcoords="offset points",
+                arrowprops={"arrowstyle": "-", "color": "#888", "lw": 0.6, "shrinkA": 0, "shrinkB": 4},
+                zorder=5,
+            )
         placed.append(box)
     return placed

@@ -49,7 +49,11 @@ def _pct(d, key):
 
 def _pair(ci) -> list[float] | None:
     """A recorded [lo, hi] interval as floats; None for anything else."""
-    return [float(ci[0]), float(ci[1])] if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(x) is not None for x in ci) else None
+    return (
+        [float(ci[0]), float(ci[1])]
+        if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(x) is not None for x in ci)
+        else None
+    )
 
 
 def artifact_names(record: dict) -> list[str]:
@@ -73,7 +77,11 @@ def _serve_rows(bench: dict, workload: str | None) -> tuple[str | None, dict]:
     variant = best if best in variants else variants[0]
     workloads = list(dict.fromkeys(_s(r.get("workload")) for r in results if _s(r.get("variant")) == variant))
     wl = workload if workload in workloads else workloads[0]
-    rows = {_int(r.get("concurrency")): r for r in results if _s(r.get("variant")) == variant and _s(r.get("workload")) == wl}
+    rows = {
+        _int(r.get("concurrency")): r
+        for r in results
+        if _s(r.get("variant")) == variant and _s(r.get("workload")) == wl
+    }
     rows.pop(None, None)
     return variant, rows
 
@@ -82,8 +90,18 @@ def accuracy_rows(ev: dict) -> list[dict]:
     out = []
     for c in _l(ev.get("comparison")):
         if isinstance(c, dict):
-            out.append({"task": _s(c.get("task")), "metric": _s(c.get("metric")), "value": _num(c.get("artifact")), "baseline": _num(c.get("baseline")),
-                        "recovery": _num(c.get("recovery")), "ci95": _ci(c), "n": c.get("n"), "flip_rate": _num(c.get("flip_rate"))})
+            out.append(
+                {
+                    "task": _s(c.get("task")),
+                    "metric": _s(c.get("metric")),
+                    "value": _num(c.get("artifact")),
+                    "baseline": _num(c.get("baseline")),
+                    "recovery": _num(c.get("recovery")),
+                    "ci95": _ci(c),
+                    "n": c.get("n"),
+                    "flip_rate": _num(c.get("flip_rate")),
+                }
+            )
     return out
 
 
@@ -100,7 +118,9 @@ def _recovery_halfwidth(c: dict) -> float | None:
     if ci is None:
         n, p = c.get("n"), c.get("value")
         if isinstance(n, int) and n > 0 and p is not None and 0 <= p <= 1 and base:
-            return 1.96 * math.sqrt(max(p * (1 - p), 1 / n) / n) / base  # binomial, floored so a perfect score still has width
+            return (
+                1.96 * math.sqrt(max(p * (1 - p), 1 / n) / n) / base
+            )  # binomial, floored so a perfect score still has width
         return None
     hw = (ci[1] - ci[0]) / 2
     if rec is not None and ci[0] - 1e-9 <= rec <= ci[1] + 1e-9:

@@ -20,14 +20,22 @@ def _env(autoescape: bool):
     import jinja2
     import markupsafe
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=autoescape, undefined=jinja2.ChainableUndefined,
-                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        autoescape=autoescape,
+        undefined=jinja2.ChainableUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
     env.filters["fmt"] = fmt
     env.filters["bytes"] = human_bytes
     env.filters["md"] = md_cell
     env.filters["sig"] = sig
     # `name` in a sentence -> <code>name</code>, after escaping everything else
-    env.filters["code"] = lambda v: markupsafe.Markup(re.sub(r"`([^`]+)`", r"<code>\1</code>", str(markupsafe.escape(v))))
+    env.filters["code"] = lambda v: markupsafe.Markup(
+        re.sub(r"`([^`]+)`", r"<code>\1</code>", str(markupsafe.escape(v)))
+    )
     return env
 
 

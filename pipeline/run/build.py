@@ -39,7 +39,9 @@ class Builder:
     def __init__(self, runner):
         self.r = runner
 
-    def build_locked(self, s: Step, base_dir: str, run_dir: Path, grant: Grant, forced: bool, state: str) -> tuple[dict, str]:
+    def build_locked(
+        self, s: Step, base_dir: str, run_dir: Path, grant: Grant, forced: bool, state: str
+    ) -> tuple[dict, str]:
         """Under the entry's lock: another run may be building the same entry; wait, then reuse it."""
         self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(self.r.cache.entry(s.id, s.key)) + ".lock"):
@@ -59,27 +61,38 @@ class Builder:
             raise self._failure(s, rc, log_path)
         return self._commit(s, work, src, upstream, t0, log_path)
 
-    def build_joint_locked(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, forced: dict, state: dict,
-                           on_eval=None) -> dict:
+    def build_joint_locked(
+        self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, forced: dict, state: dict, on_eval=None
+    ) -> dict:
         """Under both locks, evaluation `e` and benchmark `b` as one job ({stage id: (marker, state) or StageFailed}),
         or each alone where another run built one meanwhile. `on_eval` gets the evaluation's result once committed."""
         for s in (b, e):
             self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.r.cache.entry(b.id, b.key)) + ".lock"), FileLock(str(self.r.cache.entry(e.id, e.key)) + ".lock"):
+        with (
+            FileLock(str(self.r.cache.entry(b.id, b.key)) + ".lock"),
+            FileLock(str(self.r.cache.entry(e.id, e.key)) + ".lock"),
+        ):
             have = {s.id: None if forced[s.id] else self.r.cache.lookup(s.id, s.key) for s in (e, b)}
             if not any(have.values()):
                 return self.build_joint(e, b, base_dir, run_dir, grant, state, on_eval)
             built: dict[str, object] = {}
             for s in (e, b):
                 try:
-                    built[s.id] = (have[s.id], "hit") if have[s.id] else (self.build(s, base_dir, run_dir, grant), state[s.id])
+                    built[s.id] = (
+                        (have[s.id], "hit") if have[s.id] else (self.build(s, base_dir, run_dir, grant), state[s.id])
+                    )
                 except StageFailed as exc:
                     built[s.id] = exc
             return built
 
-    def build_joint(self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, state: dict, on_eval=None) -> dict:
+    def build_joint(
+        self, e: Step, b: Step, base_dir: str, run_dir: Path, grant: Grant, state: dict, on_eval=None
+    ) -> dict:
         works = {s.id: self.r.cache.begin(s.id, s.key) for s in (e, b)}
-        (spec_e, src, up_e), (spec_b, _, up_b) = self._spec(e, base_dir, works[e.id]), self._spec(b, base_dir, works[b.id])
+        (spec_e, src, up_e), (spec_b, _, up_b) = (
+            self._spec(e, base_dir, works[e.id]),
+            self._spec(b, base_dir, works[b.id]),
+        )
         log_path = run_dir / "logs" / f"{b.id.replace(':', '_')}.log"
         on = f" on GPU {','.join(grant.gpus)}" if grant.gpus else ""
         self.r.say(f"  [cyan]>[/cyan] {e.id} + {b.id}: one server in the {b.env} environment{on} (log: {log_path})")
@@ -111,7 +124,11 @@ class Builder:
                 if (ew / "metrics.json").exists():
                     built[e.id] = (self._commit(e, ew, src, up_e, None, log_path), state[e.id])
                 else:
-                    why = json.loads((ew / "failed.json").read_text()) if (ew / "failed.json").exists() else {"rc": rc, "error": None}
+                    why = (
+                        json.loads((ew / "failed.json").read_text())
+                        if (ew / "failed.json").exists()
+                        else {"rc": rc, "error": None}
+                    )
                     built[e.id] = self._failure(e, why["rc"], log_path, why["error"])
             except StageFailed as exc:
                 built[e.id] = exc
@@ -134,8 +151,13 @@ class Builder:
         if s.kind == "package":  # its manifest names the key of the entry it is built into
             upstream["self"] = Upstream(out=work / "out", stage=s.id, key=s.key)
         spec = {
-            "stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"), "src": src, "out": str(work / "out"),
-            "upstream": {role: u.to_json() for role, u in upstream.items()}, "metrics": str(work / "metrics.json"),
+            "stage": s.id,
+            "kind": s.kind,
+            "input": s.inp.model_dump(mode="json"),
+            "src": src,
+            "out": str(work / "out"),
+            "upstream": {role: u.to_json() for role, u in upstream.items()},
+            "metrics": str(work / "metrics.json"),
         }
         return spec, src, upstream
 
@@ -148,9 +170,16 @@ class Builder:
                 env[measure_gate.ENV] = grant.gate
             if grant.cpu_shared and "OMP_WAIT_POLICY" not in os.environ:
                 env["OMP_WAIT_POLICY"] = "PASSIVE"
-            waiting = (lambda gate=grant.gate: measure_gate.latest(gate)[1] == "want") if grant.gate else None  # not counted
-            return self.r.procs.spawn([str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")], log_path, self.r.stage_timeout_s, env,
-                                      paused=waiting)
+            waiting = (
+                (lambda gate=grant.gate: measure_gate.latest(gate)[1] == "want") if grant.gate else None
+            )  # not counted
+            return self.r.procs.spawn(
+                [str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")],
+                log_path,
+                self.r.stage_timeout_s,
+                env,
+                paused=waiting,
+            )
         except BaseException:  # the stage was stopped, its half output goes
             for w in works:
                 shutil.rmtree(w, ignore_errors=True)
@@ -159,10 +188,16 @@ class Builder:
     def _failure(self, s: Step, rc: int | None, log_path: Path, error: str | None = None) -> StageFailed:
         last = tail(log_path)
         if rc is None:  # ran past --stage-timeout and was stopped
-            return StageFailed(f"{s.id} ran longer than --stage-timeout ({self.r.stage_timeout_s / 60:g} min) and was stopped with its "
-                               f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})", log_path, last)
+            return StageFailed(
+                f"{s.id} ran longer than --stage-timeout ({self.r.stage_timeout_s / 60:g} min) and was stopped with its "
+                f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
+                log_path,
+                last,
+            )
         err = [ln for ln in last.splitlines() if ln.startswith("STAGE_ERROR: ")]
-        summary = error or (err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(rc)}; last lines of {log_path}:\n{last}")
+        summary = error or (
+            err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(rc)}; last lines of {log_path}:\n{last}"
+        )
         return StageFailed(summary, log_path, last)
 
     def _commit(self, s: Step, work: Path, src: str, upstream: dict, t0: float | None, log_path: Path) -> dict:
@@ -172,9 +207,15 @@ class Builder:
         (work / "spec.json").unlink(missing_ok=True)
         wall = metrics.get("wall_s") if t0 is None else round(time.perf_counter() - t0, 3)
         try:
-            return self.r.cache.commit(work, s.id, s.key, {"metrics": metrics, "wall_s": wall},
-                                     inputs=[src, *(str(u.out) for role, u in upstream.items() if role != "self")])
+            return self.r.cache.commit(
+                work,
+                s.id,
+                s.key,
+                {"metrics": metrics, "wall_s": wall},
+                inputs=[src, *(str(u.out) for role, u in upstream.items() if role != "self")],
+            )
         except OSError as e:
             shutil.rmtree(work, ignore_errors=True)
-            raise StageFailed(f"could not commit the output of {s.id} to {self.r.cache.root}: {e}", log_path, "") from None
-
+            raise StageFailed(
+                f"could not commit the output of {s.id} to {self.r.cache.root}: {e}", log_path, ""
+            ) from None

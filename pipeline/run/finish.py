@@ -1,6 +1,6 @@
 """The end of a run: each artifact's gates, its package published, the report, the run's status.
 
-    finish_run(recipe, out_dir, record, steps, failed, run_dir, say)   # PublishError: the output folder is not ours to write
+finish_run(recipe, out_dir, record, steps, failed, run_dir, say)   # PublishError: the output folder is not ours to write
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ def finish_run(recipe, out_dir: Path, record: dict, steps: list, failed: dict, r
         pkg = record["stages"].get(f"package:{a.name}", {})
         if pkg.get("status") == "ok":
             try:
-                art["package"] = str(publish(out_dir, a.name, Path(pkg["out"]), record["stages"][f"package:{a.name}"]["key"]))
+                art["package"] = str(
+                    publish(out_dir, a.name, Path(pkg["out"]), record["stages"][f"package:{a.name}"]["key"])
+                )
             except OSError as e:  # a full or read-only output disk: the package stays cached, nothing half-published
-                why = e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e)  # copytree: (src, dst, why) per file
+                why = (
+                    e.args[0][0][2] if isinstance(e, shutil.Error) and e.args and e.args[0] else str(e)
+                )  # copytree: (src, dst, why) per file
                 art["package_error"] = f"could not publish the package to {out_dir / 'packages' / a.name}: {why}"
                 failed[f"publish:{a.name}"] = art["package_error"]
                 say(f"  [red]x[/red] {'publish:' + a.name:<24} FAILED: {plain(art['package_error'])}")

@@ -36,5 +36,3 @@ def resolve_base(recipe: Recipe, dry_run: bool) -> str:
             f"base.model: cannot fetch {recipe.base.model!r} from the hub ({type(e).__name__}: {str(e)[:200]}). "
             "Without a network, download it on a machine that has one and set base.model to the local directory."
         ) from None
-
-

@@ -32,18 +32,36 @@ def matrix_dir(out_dirs: list[Path], given: Path | None) -> Path:
     if len(out_dirs) > 1 and common in [Path(d).resolve() for d in out_dirs]:
         common = common.parent
     if common == Path(common.anchor):
-        raise RunError("the recipes' output directories share no parent folder for the matrix index; give --matrix-dir DIR")
+        raise RunError(
+            "the recipes' output directories share no parent folder for the matrix index; give --matrix-dir DIR"
+        )
     return common
 
 
-def run_matrix(recipes: list, *, executor: str = "local", address: str = "auto", jobs: int | None = None, console=None,
-               verbose: bool = False, stage_timeout_s: float | None = None, force=frozenset(), kinds=None, artifacts=None,
-               wait: bool = False, index_dir: Path | None = None, after=None, gpu_select: str | None = None) -> int:
+def run_matrix(
+    recipes: list,
+    *,
+    executor: str = "local",
+    address: str = "auto",
+    jobs: int | None = None,
+    console=None,
+    verbose: bool = False,
+    stage_timeout_s: float | None = None,
+    force=frozenset(),
+    kinds=None,
+    artifacts=None,
+    wait: bool = False,
+    index_dir: Path | None = None,
+    after=None,
+    gpu_select: str | None = None,
+) -> int:
     """Run every (recipe, path) in `recipes`; write the index when there are several (or index_dir is given); the exit code."""
     outs = [Path(r.output_dir).resolve() for r, _ in recipes]
     for i, o in enumerate(outs):
         if o in outs[:i]:
-            raise RunError(f"{recipes[outs.index(o)][1]} and {recipes[i][1]} both write to output_dir {o}; give each recipe its own output_dir")
+            raise RunError(
+                f"{recipes[outs.index(o)][1]} and {recipes[i][1]} both write to output_dir {o}; give each recipe its own output_dir"
+            )
     where = matrix_dir(outs, index_dir) if len(recipes) > 1 or index_dir else None
     cluster = None
     if executor == "ray":
@@ -51,8 +69,19 @@ def run_matrix(recipes: list, *, executor: str = "local", address: str = "auto",
 
         cluster = RayCluster(address, jobs).connect()
     try:
-        runners = [Runner(r, Path(p), console=console, verbose=verbose, stage_timeout_s=stage_timeout_s, jobs=jobs, gpu_select=gpu_select,
-                          executor=cluster) for r, p in recipes]
+        runners = [
+            Runner(
+                r,
+                Path(p),
+                console=console,
+                verbose=verbose,
+                stage_timeout_s=stage_timeout_s,
+                jobs=jobs,
+                gpu_select=gpu_select,
+                executor=cluster,
+            )
+            for r, p in recipes
+        ]
         if cluster is not None and len(runners) > 1:  # side by side on one console: say whose stage each line is
             for runner in runners:
                 runner.say = _prefixed(runner.say, runner.recipe.name)
@@ -64,7 +93,8 @@ def run_matrix(recipes: list, *, executor: str = "local", address: str = "auto",
             todo = {s.id for s in steps if _forced(s, force) or not (s.key and runner.cache.lookup(s.id, s.key))}
             try:
                 (runner.executor.preflight if runner.executor else preflight.check)(
-                    runner.recipe, steps, base_dir, runner.cache.root, runner.out_dir, todo)
+                    runner.recipe, steps, base_dir, runner.cache.root, runner.out_dir, todo
+                )
             except preflight.PreflightError as e:
                 raise RunError(f"{runner.recipe_path}: {e}") from None
         t0 = time.time()
@@ -109,12 +139,19 @@ def _run_all(runners: list[Runner], cluster, force, kinds, artifacts, wait: bool
     def one(i: int) -> None:
         results[i] = _run_one(runners[i], force, kinds, artifacts, wait)
 
-    threads = [threading.Thread(target=one, args=(i,), name=f"recipe-{i}-{r.recipe.name}", daemon=True) for i, r in enumerate(runners)]
+    threads = [
+        threading.Thread(target=one, args=(i,), name=f"recipe-{i}-{r.recipe.name}", daemon=True)
+        for i, r in enumerate(runners)
+    ]
 
     def stop(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
-    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)} if threading.current_thread() is threading.main_thread() else {}
+    old = (
+        {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        if threading.current_thread() is threading.main_thread()
+        else {}
+    )
     try:
         for t in threads:
             t.start()
@@ -147,7 +184,9 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def write_index(where: Path, runners: list[Runner], results: list[dict], t0: float, executor: str, address: str | None) -> list[dict]:
+def write_index(
+    where: Path, runners: list[Runner], results: list[dict], t0: float, executor: str, address: str | None
+) -> list[dict]:
     """matrix.json and matrix.html: one row per recipe (its run, status, recommendation, gates, reuse, regressions)."""
     from ..report import CompareError, compare_runs
 
@@ -159,15 +198,34 @@ def write_index(where: Path, runners: list[Runner], results: list[dict], t0: flo
                 built[(sid, st.get("key"))] = runner.recipe.name
     for runner, res, rec in zip(runners, results, records):
         run_dir = runner.run_dir if rec else None
-        e = {"recipe": str(runner.recipe_path), "name": runner.recipe.name, "output_dir": str(runner.out_dir), "exit_code": res["code"],
-             "status": rec.get("status") or ("refused" if "refused" in res else "failed"), "error": res.get("refused") or res.get("error") or rec.get("error"),
-             "run_id": rec.get("run_id"), "run_dir": str(run_dir) if run_dir else None, "wall_s": rec.get("wall_s"),
-             "report": str(run_dir / "report.html") if run_dir and (run_dir / "report.html").exists() else None,
-             "recommendation": {k: (_read(run_dir / "report.json").get("recommendation") or {}).get(k) for k in ("choice", "sentence")} if run_dir else {},
-             "artifacts": {a: {k: v.get(k) for k in ("method", "gate", "gate_failures", "package")} for a, v in rec.get("artifacts", {}).items()},
-             "reused": {sid: built[(sid, st.get("key"))] for sid, st in rec.get("stages", {}).items()
-                        if st.get("cache") == "hit" and built.get((sid, st.get("key")), runner.recipe.name) != runner.recipe.name},
-             "regressions": {}}
+        e = {
+            "recipe": str(runner.recipe_path),
+            "name": runner.recipe.name,
+            "output_dir": str(runner.out_dir),
+            "exit_code": res["code"],
+            "status": rec.get("status") or ("refused" if "refused" in res else "failed"),
+            "error": res.get("refused") or res.get("error") or rec.get("error"),
+            "run_id": rec.get("run_id"),
+            "run_dir": str(run_dir) if run_dir else None,
+            "wall_s": rec.get("wall_s"),
+            "report": str(run_dir / "report.html") if run_dir and (run_dir / "report.html").exists() else None,
+            "recommendation": {
+                k: (_read(run_dir / "report.json").get("recommendation") or {}).get(k) for k in ("choice", "sentence")
+            }
+            if run_dir
+            else {},
+            "artifacts": {
+                a: {k: v.get(k) for k in ("method", "gate", "gate_failures", "package")}
+                for a, v in rec.get("artifacts", {}).items()
+            },
+            "reused": {
+                sid: built[(sid, st.get("key"))]
+                for sid, st in rec.get("stages", {}).items()
+                if st.get("cache") == "hit"
+                and built.get((sid, st.get("key")), runner.recipe.name) != runner.recipe.name
+            },
+            "regressions": {},
+        }
         if run_dir:
             try:
                 cmp = compare_runs(run_dir, None, against="last-good")
@@ -176,9 +234,18 @@ def write_index(where: Path, runners: list[Runner], results: list[dict], t0: flo
                 e["regressions"] = {"against": None, "note": str(ce)}
         entries.append(e)
     where.mkdir(parents=True, exist_ok=True)
-    index = {"started_at": _iso(t0), "finished_at": _iso(time.time()), "executor": executor, "address": address,
-             "caches": sorted({str(r.cache.root) for r in runners}), "recipes": entries}
-    for name, text in (("matrix.json", json.dumps(index, indent=2, default=str) + "\n"), ("matrix.html", _html(index, where))):
+    index = {
+        "started_at": _iso(t0),
+        "finished_at": _iso(time.time()),
+        "executor": executor,
+        "address": address,
+        "caches": sorted({str(r.cache.root) for r in runners}),
+        "recipes": entries,
+    }
+    for name, text in (
+        ("matrix.json", json.dumps(index, indent=2, default=str) + "\n"),
+        ("matrix.html", _html(index, where)),
+    ):
         tmp = where / f".{name}.tmp"
         tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, where / name)

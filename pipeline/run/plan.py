@@ -1,7 +1,7 @@
 """Planning a run: the stages of a recipe, each with its typed input and cache key. Pure: reads, writes nothing.
 
-    from quantpipe.run.plan import build_steps
-    steps = build_steps(recipe, base_dir)     # merge, evaluate:baseline, benchmark:baseline, quantize:x, ...
+from quantpipe.run.plan import build_steps
+steps = build_steps(recipe, base_dir)     # merge, evaluate:baseline, benchmark:baseline, quantize:x, ...
 """
 
 from __future__ import annotations
@@ -45,16 +45,42 @@ def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, 
         ev = r.evaluation
         method = "none" if artifact == "baseline" else _artifact(r, artifact).method
         backend = backend or lm_eval_backend(ev.lm_eval)
-        return EvaluateInput(artifact=artifact, method=method, backend=backend, base=base, lm_eval=ev.lm_eval, validation=ev.validation,
-                             fidelity=ev.fidelity, add_bos=ev.add_bos, bootstrap_samples=ev.bootstrap_samples)
+        return EvaluateInput(
+            artifact=artifact,
+            method=method,
+            backend=backend,
+            base=base,
+            lm_eval=ev.lm_eval,
+            validation=ev.validation,
+            fidelity=ev.fidelity,
+            add_bos=ev.add_bos,
+            bootstrap_samples=ev.bootstrap_samples,
+        )
     if kind == "benchmark":
         method = "none" if artifact == "baseline" else _artifact(r, artifact).method
         lora = artifact == "baseline" and r.benchmark.lora
-        return BenchmarkInput(artifact=artifact, method=method, served_model_name=r.name, base=base, adapters=r.adapters if lora else [],
-                              benchmark=r.benchmark, validation=r.evaluation.validation, hardware=hardware_key())
+        return BenchmarkInput(
+            artifact=artifact,
+            method=method,
+            served_model_name=r.name,
+            base=base,
+            adapters=r.adapters if lora else [],
+            benchmark=r.benchmark,
+            validation=r.evaluation.validation,
+            hardware=hardware_key(),
+        )
     if kind == "package":  # the base as the recipe names it: the model card cites a hub id, not a local copy
-        return PackageInput(name=r.name, notes=r.notes, artifact=_artifact(r, artifact), base=r.base, adapters=r.adapters,
-                            calibration=r.calibration, gates=r.evaluation.gates, benchmark=r.benchmark, package=r.package)
+        return PackageInput(
+            name=r.name,
+            notes=r.notes,
+            artifact=_artifact(r, artifact),
+            base=r.base,
+            adapters=r.adapters,
+            calibration=r.calibration,
+            gates=r.evaluation.gates,
+            benchmark=r.benchmark,
+            package=r.package,
+        )
     raise KeyError(f"unknown stage kind {kind!r}")
 
 
@@ -68,7 +94,9 @@ class Step:
     refs: dict[str, str] = field(default_factory=dict)  # role -> step id whose record the stage is handed
     env: str = ""  # the environment it runs in (envs.stage_env)
     key: str = ""
-    joint: str = ""  # an evaluate step under backend vllm: its benchmark step, whose server can answer it (runner: joint job)
+    joint: str = (
+        ""  # an evaluate step under backend vllm: its benchmark step, whose server can answer it (runner: joint job)
+    )
 
 
 def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
@@ -92,7 +120,16 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
         q = f"quantize:{a.name}"
         steps.append(step(q, "quantize", a.name, "merge", env_of=a))
         if evaluate:
-            steps.append(step(f"evaluate:{a.name}", "evaluate", a.name, q, {"baseline_model": "merge", "baseline_eval": "evaluate:baseline"}, env_of=a))
+            steps.append(
+                step(
+                    f"evaluate:{a.name}",
+                    "evaluate",
+                    a.name,
+                    q,
+                    {"baseline_model": "merge", "baseline_eval": "evaluate:baseline"},
+                    env_of=a,
+                )
+            )
         if r.benchmark.enabled:
             steps.append(step(f"benchmark:{a.name}", "benchmark", a.name, q))
         if r.package.enabled:
@@ -115,8 +152,16 @@ def local_paths(recipe: Recipe, base_dir: str) -> set[str]:
     ev = recipe.evaluation
     paths = {base_dir, *(a.path for a in recipe.adapters)}
     paths |= {s.path for s in (recipe.calibration.sources if recipe.calibration else []) if s.path}
-    paths |= {p for p in (ev.validation.path if ev.validation else None, ev.validation.json_schema if ev.validation else None,
-                          ev.lm_eval.include_path if ev.lm_eval else None, ev.fidelity.path if ev.fidelity else None) if p}
+    paths |= {
+        p
+        for p in (
+            ev.validation.path if ev.validation else None,
+            ev.validation.json_schema if ev.validation else None,
+            ev.lm_eval.include_path if ev.lm_eval else None,
+            ev.fidelity.path if ev.fidelity else None,
+        )
+        if p
+    }
     if recipe.base.is_local:
         paths.add(recipe.base.model)
     return paths
@@ -137,18 +182,31 @@ def compute_keys(steps: list[Step], recipe: Recipe, base_dir: str, hasher) -> No
     paths = local_paths(recipe, base_dir)
     by_id: dict[str, Step] = {}
     for s in steps:
-        upstream = {"src": by_id[s.src].key if s.src in by_id else None} | {role: by_id[sid].key for role, sid in s.refs.items() if sid in by_id}
-        s.key = hash_json({
-            "kind": s.kind, "id": s.id, "input": _by_content(s.inp.model_dump(mode="json"), paths, hasher),
-            "upstream": upstream, "code": source_hash(s.kind), "env": lock_hash(s.env),
-        })[:32]
+        upstream = {"src": by_id[s.src].key if s.src in by_id else None} | {
+            role: by_id[sid].key for role, sid in s.refs.items() if sid in by_id
+        }
+        s.key = hash_json(
+            {
+                "kind": s.kind,
+                "id": s.id,
+                "input": _by_content(s.inp.model_dump(mode="json"), paths, hasher),
+                "upstream": upstream,
+                "code": source_hash(s.kind),
+                "env": lock_hash(s.env),
+            }
+        )[:32]
         by_id[s.id] = s
 
 
 def select(steps: list[Step], kinds: set[str] | None, artifacts: set[str] | None) -> list[Step]:
     """Steps to run for --stages/--artifacts, with everything they depend on."""
     by_id = {s.id: s for s in steps}
-    wanted = {s.id for s in steps if (kinds is None or s.kind in kinds) and (artifacts is None or s.artifact in (None, "baseline") or s.artifact in artifacts)}
+    wanted = {
+        s.id
+        for s in steps
+        if (kinds is None or s.kind in kinds)
+        and (artifacts is None or s.artifact in (None, "baseline") or s.artifact in artifacts)
+    }
     todo = list(wanted)
     while todo:
         s = by_id[todo.pop()]

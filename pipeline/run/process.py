@@ -67,15 +67,30 @@ class Processes:
         self.stopping = False  # set by stop_all: a stage that ends now was stopped, it did not fail
         self.watch = None  # the console's live status (quantpipe.console.LiveStatus): begin/line/end per stage log
 
-    def spawn(self, cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict | None = None, paused=None) -> int | None:
+    def spawn(
+        self, cmd: list[str], log_path: Path, timeout_s: float | None, extra_env: dict | None = None, paused=None
+    ) -> int | None:
         """Exit code, or None past `timeout_s`, not counting time while `paused()` holds (a queued benchmark)."""
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "QUANTPIPE_RUNNER_PID": str(os.getpid()), **(extra_env or {})}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "QUANTPIPE_RUNNER_PID": str(os.getpid()),
+            **(extra_env or {}),
+        }
         env.setdefault("TMPDIR", str(self.tmpdir))
         Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
         with open(log_path, "w") as logf:
             logf.write(f"$ {' '.join(cmd)}\n")
             logf.flush()
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+            p = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
             self.children.add(p)
             if self.watch is not None:
                 self.watch.begin(log_path, cmd)
@@ -152,7 +167,11 @@ def exit_reason(rc: int) -> str:
         name = signal.Signals(-rc).name
     except ValueError:
         name = f"signal {-rc}"
-    hint = " (the kernel's out-of-memory killer sends SIGKILL: check `dmesg` and the stage's memory)" if -rc == signal.SIGKILL else ""
+    hint = (
+        " (the kernel's out-of-memory killer sends SIGKILL: check `dmesg` and the stage's memory)"
+        if -rc == signal.SIGKILL
+        else ""
+    )
     return f"killed by {name}{hint}"
 
 

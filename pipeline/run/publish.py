@@ -17,7 +17,9 @@ def publish(out_dir: Path, artifact: str, src: Path, key: str) -> Path:
     store = pk / ".store" / f"{artifact}-{key[:16]}"
     for d in (pk, pk / ".store"):
         if d.is_symlink():  # planted: publishing through it would write outside the output directory
-            raise PublishError(f"{d} is a symbolic link; packages are published only inside {out_dir}: remove the link and run again")
+            raise PublishError(
+                f"{d} is a symbolic link; packages are published only inside {out_dir}: remove the link and run again"
+            )
     for stale in [*(pk / ".store").glob(f".{artifact}.tmp-*"), *pk.glob(f".{artifact}.link-*")]:
         # half copies and links of runs killed while publishing (this run holds the output lock)
         stale.unlink() if stale.is_symlink() or not stale.is_dir() else shutil.rmtree(stale, ignore_errors=True)

@@ -16,8 +16,10 @@ def call(package_dir: str, name: str, job: dict):
     init = Path(package_dir) / "__init__.py"
     if "quantpipe" not in sys.modules:
         if not init.is_file():
-            raise RuntimeError(f"no quantpipe checkout at {package_dir} on {socket.gethostname()}: every node needs the driver's "
-                               "checkout at the same path (docs/cluster.md)")
+            raise RuntimeError(
+                f"no quantpipe checkout at {package_dir} on {socket.gethostname()}: every node needs the driver's "
+                "checkout at the same path (docs/cluster.md)"
+            )
         spec = importlib.util.spec_from_file_location("quantpipe", init, submodule_search_locations=[package_dir])
         mod = importlib.util.module_from_spec(spec)
         sys.modules["quantpipe"] = mod

@@ -31,7 +31,12 @@ from .schedule import SHARED, Grant
 
 log = logging.getLogger(__name__)
 MAX_RETRIES = 3  # Ray re-runs a task whose node or worker died this many times (not one whose stage failed)
-RUN_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "QUANTPIPE_VERIFY")  # the driver's, handed to stages
+RUN_ENV = (
+    "HF_HUB_OFFLINE",
+    "HF_DATASETS_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "QUANTPIPE_VERIFY",
+)  # the driver's, handed to stages
 
 
 def _loopback(address: str) -> bool:
@@ -45,7 +50,9 @@ class RayCluster:
         self.address, self.jobs = address, jobs
         self.nodes: dict[str, dict] = {}  # node id -> {"address", "resources", and the probe's findings}
         self.lock = threading.Lock()
-        self.inflight: dict[tuple[str, str], Future] = {}  # (stage, key) being built by one recipe; the others wait for it
+        self.inflight: dict[
+            tuple[str, str], Future
+        ] = {}  # (stage, key) being built by one recipe; the others wait for it
         self.probed = (set(), set(), set())  # caches, environments, stage kinds every node was checked for
         self.stopping = False
 
@@ -60,15 +67,21 @@ class RayCluster:
             try:
                 socket.create_connection((host, int(port)), timeout=5).close()
             except (OSError, ValueError) as e:
-                raise RunError(f"--address {self.address}: no Ray cluster answers there ({e}); start one (`ray start --head`) "
-                               "or give the address its head printed (HOST:PORT)") from None
+                raise RunError(
+                    f"--address {self.address}: no Ray cluster answers there ({e}); start one (`ray start --head`) "
+                    "or give the address its head printed (HOST:PORT)"
+                ) from None
         try:
             ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False, namespace="quantpipe")
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise RunError(f"--address {self.address}: cannot connect to a Ray cluster ({str(e).splitlines()[0][:200]}); start one "
-                           "(`ray start --head`) or pass --address HOST:PORT") from None
+            raise RunError(
+                f"--address {self.address}: cannot connect to a Ray cluster ({str(e).splitlines()[0][:200]}); start one "
+                "(`ray start --head`) or pass --address HOST:PORT"
+            ) from None
         self.ray = ray
-        ray.cloudpickle.register_pickle_by_value(ray_boot)  # its code goes with each task: a node needs no quantpipe installed
+        ray.cloudpickle.register_pickle_by_value(
+            ray_boot
+        )  # its code goes with each task: a node needs no quantpipe installed
         self.task = ray.remote(ray_boot.call)
         self.refresh()
         return self
@@ -108,7 +121,9 @@ class RayCluster:
             req["memory"] = ram
         if not any(n["resources"].get("GPU") for n in self._live()):
             cpus = [int(n["resources"]["CPU"]) for n in self._live() if n["resources"].get("CPU", 0) >= 1]
-            req["num_cpus"] = min(cpus, default=1)  # a whole node, as the local executor runs one stage at a time without GPUs
+            req["num_cpus"] = min(
+                cpus, default=1
+            )  # a whole node, as the local executor runs one stage at a time without GPUs
         elif kind == "benchmark":
             req["num_gpus"] = tp
         elif kind in SHARED:
@@ -187,8 +202,11 @@ class RayStages:
         c.check([Path(cache_dir)], {s.env for s in steps}, {s.kind for s in steps})
         real = [n["gpu"] for n in c._live() if n.get("gpu")]
         gpu = max(real, key=lambda g: g["total_bytes"]) if real else None
-        have = {"ram_bytes": max((n.get("ram_bytes") or 0 for n in c._live()), default=None) or None, "gpu": gpu,
-                "disk": preflight.machine(cache_dir, out_dir)["disk"]}
+        have = {
+            "ram_bytes": max((n.get("ram_bytes") or 0 for n in c._live()), default=None) or None,
+            "gpu": gpu,
+            "disk": preflight.machine(cache_dir, out_dir)["disk"],
+        }
         est = preflight.estimate(recipe, steps, base_dir, gpu, have["ram_bytes"])
         bad = preflight.problems(recipe, est, have, todo)
         for s in steps:
@@ -196,7 +214,9 @@ class RayStages:
             why = c.infeasible(s.id, c.request(s.kind, est.get(s.id), tp)) if s.id in todo else None
             bad += [why] if why else []
         if bad and os.environ.get("QUANTPIPE_PREFLIGHT", "").lower() not in ("off", "0", "false", "no"):
-            raise preflight.PreflightError("pre-flight: this run would not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in bad))
+            raise preflight.PreflightError(
+                "pre-flight: this run would not fit the Ray cluster:\n" + "\n".join(f"  - {p}" for p in bad)
+            )
         return est, have
 
     def build(self, s, base_dir: str, run_dir: Path, forced: bool, state: str) -> tuple[dict, str]:
@@ -228,10 +248,14 @@ class RayStages:
                 if claims[x.id][1]:  # given back unbuilt: a recipe waiting for it claims it again
                     self.cluster.done((x.id, x.key))
                     claims[x.id][0].set_exception(Released())
-            return {x.id: _attempt(lambda x=x: self.build(x, base_dir, run_dir, forced[x.id], state[x.id])) for x in (e, b)}
+            return {
+                x.id: _attempt(lambda x=x: self.build(x, base_dir, run_dir, forced[x.id], state[x.id])) for x in (e, b)
+            }
         built: dict = {}
         try:
-            built[b.id] = _attempt(lambda: self._submit(b, base_dir, run_dir, forced[b.id], state[b.id], joint=(e, forced[e.id])))
+            built[b.id] = _attempt(
+                lambda: self._submit(b, base_dir, run_dir, forced[b.id], state[b.id], joint=(e, forced[e.id]))
+            )
             j = self.joint_out.pop(e.id, None) or {"state": "split"}
             if j["state"] == "built":
                 built[e.id] = (j["marker"], state[e.id])
@@ -247,7 +271,9 @@ class RayStages:
         else:
             for x in (e, b):
                 res = built[x.id]
-                claims[x.id][0].set_exception(res) if isinstance(res, StageFailed) else claims[x.id][0].set_result(res[0])
+                claims[x.id][0].set_exception(res) if isinstance(res, StageFailed) else claims[x.id][0].set_result(
+                    res[0]
+                )
             return built
         finally:
             for x in (e, b):
@@ -256,33 +282,62 @@ class RayStages:
     def _spec(self, s, base_dir: str) -> dict:
         r = self.runner
         upstream = {role: r.records[sid].to_json() for role, sid in s.refs.items() if sid in r.records}
-        return {"stage": s.id, "kind": s.kind, "input": s.inp.model_dump(mode="json"),
-                "src": base_dir if s.src == "external" else str(r.records[s.src].out), "upstream": upstream}
+        return {
+            "stage": s.id,
+            "kind": s.kind,
+            "input": s.inp.model_dump(mode="json"),
+            "src": base_dir if s.src == "external" else str(r.records[s.src].out),
+            "upstream": upstream,
+        }
 
     def _submit(self, s, base_dir: str, run_dir: Path, forced: bool, state: str, joint=None) -> tuple[dict, str]:
         """Build `s` as one task; `joint` (evaluate step, forced): its evaluation too, whose outcome goes to joint_out."""
         r, c, ray = self.runner, self.cluster, self.cluster.ray
         spec = self._spec(s, base_dir)
         name = s.id.replace(":", "_")
-        live = r.cache.root / "tmp" / "ray" / run_dir.name / name  # the stage's log and attempts while it runs (every node sees it)
+        live = (
+            r.cache.root / "tmp" / "ray" / run_dir.name / name
+        )  # the stage's log and attempts while it runs (every node sees it)
         live.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / "logs" / f"{name}.log"
-        job = {"cache": str(r.cache.root), "stage": s.id, "kind": s.kind, "key": s.key, "env": s.env, "forced": forced, "spec": spec,
-               "log": str(live / "stage.log"), "attempts": str(live / "attempts.jsonl"), "cancel": str(live / "cancel"), "timeout_s": r.stage_timeout_s,
-               "run_env": {k: os.environ[k] for k in RUN_ENV if k in os.environ},
-               "expect": {"env": lock_hash(s.env), "code": source_hash(s.kind)}}
+        job = {
+            "cache": str(r.cache.root),
+            "stage": s.id,
+            "kind": s.kind,
+            "key": s.key,
+            "env": s.env,
+            "forced": forced,
+            "spec": spec,
+            "log": str(live / "stage.log"),
+            "attempts": str(live / "attempts.jsonl"),
+            "cancel": str(live / "cancel"),
+            "timeout_s": r.stage_timeout_s,
+            "run_env": {k: os.environ[k] for k in RUN_ENV if k in os.environ},
+            "expect": {"env": lock_hash(s.env), "code": source_hash(s.kind)},
+        }
         if joint is not None:
             e, forced_e = joint
-            job["joint"] = {"stage": e.id, "kind": e.kind, "key": e.key, "env": e.env, "forced": forced_e, "spec": self._spec(e, base_dir),
-                            "expect": {"env": lock_hash(e.env), "code": source_hash(e.kind)}}
+            job["joint"] = {
+                "stage": e.id,
+                "kind": e.kind,
+                "key": e.key,
+                "env": e.env,
+                "forced": forced_e,
+                "spec": self._spec(e, base_dir),
+                "expect": {"env": lock_hash(e.env), "code": source_hash(e.kind)},
+            }
         tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
         req = c.request(s.kind, r.estimates.get(s.id), tp)
-        asks = ", ".join(f"{k.removeprefix('num_')} {_fmt('memory' if k == 'memory' else k, v)}" for k, v in req.items() if v)
+        asks = ", ".join(
+            f"{k.removeprefix('num_')} {_fmt('memory' if k == 'memory' else k, v)}" for k, v in req.items() if v
+        )
         r.say(f"  [cyan]>[/cyan] {s.id:<24} submitted to Ray ({asks}) in the {s.env} environment (log: {log_path})")
         while True:
             if c.stopping:
                 raise KeyboardInterrupt("the run was interrupted")
-            ref = c.task.options(**req, max_retries=MAX_RETRIES, retry_exceptions=False, name=f"quantpipe {s.id}").remote(PACKAGE, "run_stage", job)
+            ref = c.task.options(
+                **req, max_retries=MAX_RETRIES, retry_exceptions=False, name=f"quantpipe {s.id}"
+            ).remote(PACKAGE, "run_stage", job)
             self.refs[s.id], self.cancels[s.id] = ref, live / "cancel"
             try:
                 out = ray.get(ref)
@@ -291,8 +346,12 @@ class RayStages:
             except ray.exceptions.RayError as e:
                 _move(Path(job["log"]), log_path)
                 why = getattr(e, "cause", None) or e  # a task's own exception, else what Ray says happened to it
-                raise StageFailed(f"Ray could not run {s.id} ({type(why).__name__}: {str(why).strip().splitlines()[-1][:300]}); nothing of "
-                                  f"it was committed; the next run builds it again", log_path, tail(log_path)) from None
+                raise StageFailed(
+                    f"Ray could not run {s.id} ({type(why).__name__}: {str(why).strip().splitlines()[-1][:300]}); nothing of "
+                    f"it was committed; the next run builds it again",
+                    log_path,
+                    tail(log_path),
+                ) from None
             finally:
                 self.refs.pop(s.id, None)
                 self.cancels.pop(s.id, None)
@@ -325,18 +384,36 @@ class RayStages:
             if out.get("summary"):
                 raise StageFailed(out["summary"], log_path, last)
             if out.get("rc") is None:
-                raise StageFailed(f"{s.id} ran longer than --stage-timeout ({r.stage_timeout_s / 60:g} min) and was stopped with its "
-                                  f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})", log_path, last)
+                raise StageFailed(
+                    f"{s.id} ran longer than --stage-timeout ({r.stage_timeout_s / 60:g} min) and was stopped with its "
+                    f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
+                    log_path,
+                    last,
+                )
             err = [ln for ln in last.splitlines() if ln.startswith("STAGE_ERROR: ")]
-            raise StageFailed(err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(out['rc'])}; last lines of {log_path}:\n{last}", log_path, last)
+            raise StageFailed(
+                err[-1].removeprefix("STAGE_ERROR: ")
+                if err
+                else f"{exit_reason(out['rc'])}; last lines of {log_path}:\n{last}",
+                log_path,
+                last,
+            )
         c.refresh()
-        placement = {"executor": "ray", "node": c.name(out["node_id"]), "request": req, "gpu_ids": out.get("gpu_ids"),
-                     "attempts": [{**a, "node": c.name(a["node_id"])} for a in attempts]}
+        placement = {
+            "executor": "ray",
+            "node": c.name(out["node_id"]),
+            "request": req,
+            "gpu_ids": out.get("gpu_ids"),
+            "attempts": [{**a, "node": c.name(a["node_id"])} for a in attempts],
+        }
         if len(attempts) > 1:
             lost = round(attempts[-1]["started_at"] - attempts[0]["started_at"], 1)
             gone = ", ".join(c.name(a["node_id"]) for a in attempts[:-1])
-            placement |= {"lost_s": lost, "note": f"{s.id}: lost with node {gone}; Ray ran it again on {placement['node']}, {lost:g} s after "
-                                                  f"the first attempt began ({len(attempts)} attempts, nothing of the lost one committed)"}
+            placement |= {
+                "lost_s": lost,
+                "note": f"{s.id}: lost with node {gone}; Ray ran it again on {placement['node']}, {lost:g} s after "
+                f"the first attempt began ({len(attempts)} attempts, nothing of the lost one committed)",
+            }
             r.say(f"  [yellow]![/yellow] {placement['note']}")
         return {**out["marker"], "placement": placement}, state
 

@@ -24,9 +24,13 @@ from ..stages.contract import Upstream
 from .process import Processes, secrets
 from .schedule import gpus
 
-WORKER = Path(__file__).resolve().parents[1] / "worker.py"  # the node's own checkout: the probe checks it is the driver's code
+WORKER = (
+    Path(__file__).resolve().parents[1] / "worker.py"
+)  # the node's own checkout: the probe checks it is the driver's code
 
-NODE_DOCS = "start every node from the same image, or run `make setup` in the same checkout path on each (docs/cluster.md)"
+NODE_DOCS = (
+    "start every node from the same image, or run `make setup` in the same checkout path on each (docs/cluster.md)"
+)
 
 
 def _node_problems(job: dict) -> list[str]:
@@ -39,11 +43,15 @@ def _node_problems(job: dict) -> list[str]:
             out.append(f"{e}; {NODE_DOCS}")
             continue
         if lock_hash(env) != want:
-            out.append(f"its {env!r} environment differs from the driver's (another lock file or installed set); {NODE_DOCS}")
+            out.append(
+                f"its {env!r} environment differs from the driver's (another lock file or installed set); {NODE_DOCS}"
+            )
     for kind, want in job.get("code", {}).items():
         if source_hash(kind) != want:
-            out.append(f"its quantpipe code for the {kind} stage differs from the driver's ({Path(__file__).parents[1]}); "
-                       f"deploy the same checkout to every node ({NODE_DOCS})")
+            out.append(
+                f"its quantpipe code for the {kind} stage differs from the driver's ({Path(__file__).parents[1]}); "
+                f"deploy the same checkout to every node ({NODE_DOCS})"
+            )
     return out
 
 
@@ -62,8 +70,10 @@ def probe(job: dict) -> dict:
                 raise OSError("its content differs")
             (d / f"probe-{job['token']}.{nid}").write_text(job["token"])
         except OSError as e:
-            problems.append(f"cannot see the stage cache {root} (a probe the driver wrote there: {e}); mount the same storage at "
-                            "the same path on every node and on the driver, or pass --cache")
+            problems.append(
+                f"cannot see the stage cache {root} (a probe the driver wrote there: {e}); mount the same storage at "
+                "the same path on every node and on the driver, or pass --cache"
+            )
             continue
         lock = FileLock(str(d / f"probe-{job['token']}.lock"))
         try:
@@ -72,11 +82,19 @@ def probe(job: dict) -> dict:
             pass  # the driver holds it, and this node sees that: the cache's locks hold across hosts
         else:
             lock.release()
-            lock_problem = (f"a lock the driver holds on {root} is free here: its file system's locks are not shared between hosts, so "
-                            "two runs could build one entry twice; use storage whose flock holds across hosts (docs/cluster.md)")
-    return {"problems": problems, "lock_problem": lock_problem, "gpus": [{"index": g.index, "total_bytes": g.total_bytes} for g in gpus()],
-            "gpu": preflight.gpu_memory(), "ram_bytes": preflight.machine(Path(job["caches"][0]), Path(job["caches"][0]))["ram_bytes"],
-            "cpus": os.cpu_count(), "hardware": hardware_key()}
+            lock_problem = (
+                f"a lock the driver holds on {root} is free here: its file system's locks are not shared between hosts, so "
+                "two runs could build one entry twice; use storage whose flock holds across hosts (docs/cluster.md)"
+            )
+    return {
+        "problems": problems,
+        "lock_problem": lock_problem,
+        "gpus": [{"index": g.index, "total_bytes": g.total_bytes} for g in gpus()],
+        "gpu": preflight.gpu_memory(),
+        "ram_bytes": preflight.machine(Path(job["caches"][0]), Path(job["caches"][0]))["ram_bytes"],
+        "cpus": os.cpu_count(),
+        "hardware": hardware_key(),
+    }
 
 
 def _watch(procs: Processes, work: Path, cancel: Path) -> tuple[threading.Event, threading.Event]:
@@ -145,31 +163,49 @@ def _build(job: dict, jobs: list[dict], cache: StageCache, nid: str) -> dict:
 
     Path(job["attempts"]).parent.mkdir(parents=True, exist_ok=True)
     with open(job["attempts"], "a") as f:  # on shared storage: the driver reads every attempt, also those of lost nodes
-        f.write(json.dumps({"node_id": nid, "pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()}) + "\n")
+        f.write(
+            json.dumps({"node_id": nid, "pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time()})
+            + "\n"
+        )
     for j in jobs:
         wrong = _node_problems({"envs": {j["env"]: j["expect"]["env"]}, "code": {j["kind"]: j["expect"]["code"]}})
         if wrong:
-            return {"state": "failed", "summary": f"{j['stage']} cannot run on node {socket.gethostname()} ({nid[:8]}): {wrong[0]}"}
+            return {
+                "state": "failed",
+                "summary": f"{j['stage']} cannot run on node {socket.gethostname()} ({nid[:8]}): {wrong[0]}",
+            }
     works, specs = [], []
     for j in jobs:
         entry = cache.entry(j["stage"], j["key"])
-        for old in entry.parent.glob(f".{j['key']}.*-*"):  # folders of attempts that died: we hold the lock, nobody else builds it
+        for old in entry.parent.glob(
+            f".{j['key']}.*-*"
+        ):  # folders of attempts that died: we hold the lock, nobody else builds it
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
         work = entry.parent / f".{j['key']}.ray-{nid[:12]}-{os.getpid()}-{time.monotonic_ns()}"
         (work / "out").mkdir(parents=True)
         spec = {**j["spec"], "out": str(work / "out"), "metrics": str(work / "metrics.json")}
         if j["kind"] == "package":  # its manifest names the key of the entry it is built into
-            spec["upstream"] = {**spec["upstream"], "self": Upstream(out=work / "out", stage=j["stage"], key=j["key"]).to_json()}
+            spec["upstream"] = {
+                **spec["upstream"],
+                "self": Upstream(out=work / "out", stage=j["stage"], key=j["key"]).to_json(),
+            }
         works.append(work)
         specs.append(spec)
-    (works[0] / "spec.json").write_text(json.dumps({**specs[0], **({"evaluate": specs[1]} if len(jobs) > 1 else {})}, indent=2, default=str))
+    (works[0] / "spec.json").write_text(
+        json.dumps({**specs[0], **({"evaluate": specs[1]} if len(jobs) > 1 else {})}, indent=2, default=str)
+    )
     _uncap_threads()
     procs = Processes(cache.root / "tmp", secrets())
     watching, lost = _watch(procs, works[0], Path(job["cancel"]))
     t0 = time.perf_counter()
     try:
-        rc = procs.spawn([str(python_for(job["env"])), str(WORKER), str(works[0] / "spec.json")], Path(job["log"]), job["timeout_s"], job["run_env"])
+        rc = procs.spawn(
+            [str(python_for(job["env"])), str(WORKER), str(works[0] / "spec.json")],
+            Path(job["log"]),
+            job["timeout_s"],
+            job["run_env"],
+        )
     except BaseException:  # cancelled: the stage was stopped, its half output goes
         for w in works:
             shutil.rmtree(w, ignore_errors=True)
@@ -182,7 +218,12 @@ def _build(job: dict, jobs: list[dict], cache: StageCache, nid: str) -> dict:
     if rc != 0:
         shutil.rmtree(works[0], ignore_errors=True)
         return {"state": "cancelled" if Path(job["cancel"]).exists() else "failed", "rc": rc, "joint": joint}
-    return {**_commit(cache, job, works[0], specs[0], t0), "node_id": nid, "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "joint": joint}
+    return {
+        **_commit(cache, job, works[0], specs[0], t0),
+        "node_id": nid,
+        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        "joint": joint,
+    }
 
 
 def _commit(cache: StageCache, j: dict, work: Path, spec: dict, t0: float | None) -> dict:

@@ -18,7 +18,9 @@ from .runner import RunError
 
 log = logging.getLogger("quantpipe.run.ray_executor")
 PROBE_TIMEOUT_S = 120
-PACKAGE = str(Path(__file__).resolve().parents[1])  # this checkout's quantpipe: each node loads the one at the same path
+PACKAGE = str(
+    Path(__file__).resolve().parents[1]
+)  # this checkout's quantpipe: each node loads the one at the same path
 
 
 def check_nodes(c, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
@@ -39,12 +41,23 @@ def check_nodes(c, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
             lock = FileLock(str(d / f"probe-{token}.lock"))
             lock.acquire()
             held.append(lock)
-        job = {"caches": [str(x) for x in caches], "token": token, "envs": {e: lock_hash(e) for e in envs},
-               "code": {k: source_hash(k) for k in kinds}}
-        refs = {c.task.options(num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)).remote(PACKAGE, "probe", job): nid
-                for nid in c.refresh()}
+        job = {
+            "caches": [str(x) for x in caches],
+            "token": token,
+            "envs": {e: lock_hash(e) for e in envs},
+            "code": {k: source_hash(k) for k in kinds},
+        }
+        refs = {
+            c.task.options(
+                num_cpus=0, max_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(nid, soft=False)
+            ).remote(PACKAGE, "probe", job): nid
+            for nid in c.refresh()
+        }
         ready, late = c.ray.wait(list(refs), num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
-        problems = [f"node {c.name(refs[r])} did not answer a probe task within {PROBE_TIMEOUT_S} s; check that node (`ray status`)" for r in late]
+        problems = [
+            f"node {c.name(refs[r])} did not answer a probe task within {PROBE_TIMEOUT_S} s; check that node (`ray status`)"
+            for r in late
+        ]
         for r in ready:
             nid = refs[r]
             try:
@@ -54,15 +67,21 @@ def check_nodes(c, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
                 continue
             probes[nid] = found
             problems += [f"node {c.name(nid)}: {p}" for p in found["problems"]]
-            if found["lock_problem"] and os.environ.get("QUANTPIPE_CACHE_LOCKS") == "per-host":  # the user runs one driver per cache
-                log.warning("node %s: %s (QUANTPIPE_CACHE_LOCKS=per-host: going on)", c.name(nid), found["lock_problem"])
+            if (
+                found["lock_problem"] and os.environ.get("QUANTPIPE_CACHE_LOCKS") == "per-host"
+            ):  # the user runs one driver per cache
+                log.warning(
+                    "node %s: %s (QUANTPIPE_CACHE_LOCKS=per-host: going on)", c.name(nid), found["lock_problem"]
+                )
             elif found["lock_problem"]:
                 problems.append(f"node {c.name(nid)}: {found['lock_problem']}")
             for root in caches:
                 seen = Path(root) / "tmp" / "ray" / f"probe-{token}.{nid}"
                 if not found["problems"] and (not seen.is_file() or seen.read_text() != token):
-                    problems.append(f"node {c.name(nid)}: a probe it wrote into the stage cache {root} is not visible here; "
-                                    "mount the same storage at the same path on every node and on this driver, or pass --cache")
+                    problems.append(
+                        f"node {c.name(nid)}: a probe it wrote into the stage cache {root} is not visible here; "
+                        "mount the same storage at the same path on every node and on this driver, or pass --cache"
+                    )
         if problems:
             raise RunError("--executor ray: " + "; ".join(problems[:1]) + "".join(f"\n  - {p}" for p in problems[1:]))
     finally:
@@ -73,8 +92,17 @@ def check_nodes(c, caches: list[Path], envs: set[str], kinds: set[str]) -> None:
                 p.unlink(missing_ok=True)
     for nid, found in probes.items():
         c.nodes[nid] |= {k: found[k] for k in ("gpus", "gpu", "ram_bytes", "cpus", "hardware")}
-    other = sorted({c.name(i) for i, n in c.nodes.items() if n.get("alive") and n["resources"].get("GPU") and n.get("hardware") != hardware_key()})
+    other = sorted(
+        {
+            c.name(i)
+            for i, n in c.nodes.items()
+            if n.get("alive") and n["resources"].get("GPU") and n.get("hardware") != hardware_key()
+        }
+    )
     if "benchmark" in kinds and other:
-        log.warning("benchmark keys and records describe this driver's host, but benchmarks run on %s, whose hardware differs; "
-                    "run quantpipe on a node like them so that a benchmark is never reused across hardware (docs/cluster.md)", ", ".join(other))
+        log.warning(
+            "benchmark keys and records describe this driver's host, but benchmarks run on %s, whose hardware differs; "
+            "run quantpipe on a node like them so that a benchmark is never reused across hardware (docs/cluster.md)",
+            ", ".join(other),
+        )
     c.probed = ({str(x) for x in caches}, set(envs), set(kinds))

@@ -51,7 +51,9 @@ def close_dead_runs(out_dir: Path, this_run: Path, secret_values: list[str]) -> 
             continue
         if rec.get("status") == "running":
             rec["status"] = "killed"
-            rec["error"] = f"the run ended without closing its record (killed, or the machine went down); found by run {this_run.name}"
+            rec["error"] = (
+                f"the run ended without closing its record (killed, or the machine went down); found by run {this_run.name}"
+            )
             write_record(path.parent, rec, secret_values)
             index_run(out_dir, rec, path.parent)
             log.warning("run %s was killed before it finished; its committed stages stay cached", rec.get("run_id"))

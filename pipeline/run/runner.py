@@ -47,8 +47,17 @@ class RunError(Exception):
 
 
 class Runner:
-    def __init__(self, recipe: Recipe, recipe_path: Path, console=None, verbose: bool = False, stage_timeout_s: float | None = None,
-                 jobs: int | None = None, gpu_select: str | None = None, executor=None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        recipe_path: Path,
+        console=None,
+        verbose: bool = False,
+        stage_timeout_s: float | None = None,
+        jobs: int | None = None,
+        gpu_select: str | None = None,
+        executor=None,
+    ):
         self.recipe = recipe
         self.recipe_path = Path(recipe_path)
         self.console = console
@@ -67,7 +76,9 @@ class Runner:
         self.gpus = gpus(gpu_select)
         self.scheduler = Scheduler(self.gpus, jobs=jobs or default_jobs(len(self.gpus)))
         self.builder = Builder(self)
-        self.executor = executor.attach(self) if executor is not None else None  # --executor ray: its procs and scheduler replace these
+        self.executor = (
+            executor.attach(self) if executor is not None else None
+        )  # --executor ray: its procs and scheduler replace these
 
     def say(self, msg: str) -> None:
         if self.console is not None:
@@ -78,7 +89,9 @@ class Runner:
         if artifacts:
             unknown = set(artifacts) - {a.name for a in self.recipe.artifacts}
             if unknown:
-                raise RunError(f"--artifacts: no artifact named {', '.join(sorted(unknown))} in the recipe; it has {', '.join(a.name for a in self.recipe.artifacts)}")
+                raise RunError(
+                    f"--artifacts: no artifact named {', '.join(sorted(unknown))} in the recipe; it has {', '.join(a.name for a in self.recipe.artifacts)}"
+                )
         try:
             base_dir = resolve_base(self.recipe, dry_run)
         except HubError as e:
@@ -102,9 +115,20 @@ class Runner:
         for s in steps:
             state = "forced" if _forced(s, force) else ("hit" if s.key and self.cache.lookup(s.id, s.key) else "miss")
             e = preflight.record(est, s.id) or {}
-            rows.append({"stage": s.id, "env": s.env, "key": s.key[:12], "cache": state, "ram_gib": e.get("ram_gib"), "gpu_gib": e.get("gpu_gib"),
-                         "disk_gib": (e.get("disk_cache_gib", 0) + e.get("disk_output_gib", 0)) if e else None})
-        self.preflight_problems = preflight.problems(self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"})
+            rows.append(
+                {
+                    "stage": s.id,
+                    "env": s.env,
+                    "key": s.key[:12],
+                    "cache": state,
+                    "ram_gib": e.get("ram_gib"),
+                    "gpu_gib": e.get("gpu_gib"),
+                    "disk_gib": (e.get("disk_cache_gib", 0) + e.get("disk_output_gib", 0)) if e else None,
+                }
+            )
+        self.preflight_problems = preflight.problems(
+            self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"}
+        )
         return rows
 
     def run(self, force: set[str], kinds=None, artifacts=None, wait: bool = False) -> int:
@@ -113,7 +137,9 @@ class Runner:
         self.procs.stopping = False
         todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
         try:
-            self.estimates, have = (self.executor.preflight if self.executor else preflight.check)(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)
+            self.estimates, have = (self.executor.preflight if self.executor else preflight.check)(
+                self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo
+            )
         except preflight.PreflightError as e:
             raise RunError(str(e)) from None
         self.available = preflight.available_gib(have)
@@ -141,17 +167,32 @@ class Runner:
         handler = logging.FileHandler(run_dir / "run.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.addFilter(RedactFilter(self.secret_values))
-        if threading.current_thread() is not threading.main_thread():  # recipes of one call side by side: each run.log keeps its own
-            handler.addFilter(lambda r, me=threading.current_thread().name, tag=f"@{id(self):x}": r.threadName == me or r.threadName.endswith(tag))
+        if (
+            threading.current_thread() is not threading.main_thread()
+        ):  # recipes of one call side by side: each run.log keeps its own
+            handler.addFilter(
+                lambda r, me=threading.current_thread().name, tag=f"@{id(self):x}": (
+                    r.threadName == me or r.threadName.endswith(tag)
+                )
+            )
         logging.getLogger("quantpipe").addHandler(handler)
         close_dead_runs(self.out_dir, run_dir, self.secret_values)
         recipe_json = self.recipe.model_dump(mode="json")
         record = {
-            "run_id": run_id, "recipe_name": self.recipe.name, "recipe_path": str(self.recipe_path.resolve()),
-            "recipe_hash": hash_json(recipe_json)[:16], "recipe": recipe_json, "status": "running",
-            "started_at": _iso(t_start), "quantpipe": {"version": __version__, "git_commit": git_commit()},
-            "versions": {e: versions(e) for e in ("quantize", "serve")}, "hardware": hardware(),
-            "cache_dir": str(self.cache.root), "stages": {}, "artifacts": {}, "available": self.available,
+            "run_id": run_id,
+            "recipe_name": self.recipe.name,
+            "recipe_path": str(self.recipe_path.resolve()),
+            "recipe_hash": hash_json(recipe_json)[:16],
+            "recipe": recipe_json,
+            "status": "running",
+            "started_at": _iso(t_start),
+            "quantpipe": {"version": __version__, "git_commit": git_commit()},
+            "versions": {e: versions(e) for e in ("quantize", "serve")},
+            "hardware": hardware(),
+            "cache_dir": str(self.cache.root),
+            "stages": {},
+            "artifacts": {},
+            "available": self.available,
             "scheduler": {"gpus": [g.index for g in self.gpus], "jobs": self.scheduler.jobs},
         }
         write_record(run_dir, record, self.secret_values)
@@ -181,11 +222,15 @@ class Runner:
         self.say(f"run.json: {run_dir / 'run.json'}")
         return {"ok": 0, "gate_failed": EXIT_GATE}.get(record["status"], EXIT_FAILED)
 
-    def _run_steps(self, steps: list[Step], base_dir: str, failed: dict, force: set, run_dir: Path, record: dict, t_start: float) -> None:
+    def _run_steps(
+        self, steps: list[Step], base_dir: str, failed: dict, force: set, run_dir: Path, record: dict, t_start: float
+    ) -> None:
         """Start each stage as soon as its inputs are committed and the scheduler grants it GPUs and memory."""
         ids = {s.id for s in steps}
         by_id = {s.id: s for s in steps}
-        pending = sorted(steps, key=lambda s: s.kind != "quantize")  # plan order, quantize stages first: each starts the longest chain
+        pending = sorted(
+            steps, key=lambda s: s.kind != "quantize"
+        )  # plan order, quantize stages first: each starts the longest chain
         done: queue.Queue = queue.Queue()
         threads: dict[str, threading.Thread] = {}
 
@@ -195,24 +240,49 @@ class Runner:
 
             def early(s: Step, rec: dict) -> None:  # a joint job's evaluation, committed while its benchmark goes on
                 job.remove(s)
-                done.put((s, rec | {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}))
+                done.put(
+                    (
+                        s,
+                        rec
+                        | {
+                            "devices": grant.gpus,
+                            "start_s": round(t0 - t_start, 3),
+                            "end_s": round(time.time() - t_start, 3),
+                        },
+                    )
+                )
 
             try:
-                recs = self._do_joint(*job, base_dir, failed, force, run_dir, grant, early) if len(job) == 2 else \
-                    [self._do_step(job[0], base_dir, failed, force, run_dir, grant)]
+                recs = (
+                    self._do_joint(*job, base_dir, failed, force, run_dir, grant, early)
+                    if len(job) == 2
+                    else [self._do_step(job[0], base_dir, failed, force, run_dir, grant)]
+                )
             except BaseException as e:  # stopped by the run's interrupt (recorded, no traceback), or a runner bug (the stage fails, the run goes on)
                 stopped = isinstance(e, KeyboardInterrupt)
                 if not stopped:
                     log.exception("stage %s", job[-1].id)
                 recs = []
                 for s in job:
-                    recs.append({"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "interrupted" if stopped else "failed",
-                                 "error": str(e) if stopped else f"{type(e).__name__}: {e}"})
+                    recs.append(
+                        {
+                            "kind": s.kind,
+                            "artifact": s.artifact,
+                            "env": s.env,
+                            "key": s.key,
+                            "status": "interrupted" if stopped else "failed",
+                            "error": str(e) if stopped else f"{type(e).__name__}: {e}",
+                        }
+                    )
                     failed[s.id] = recs[-1]["error"]
             if grant.gate:
                 shutil.rmtree(grant.gate, ignore_errors=True)
             for s, rec in zip(job, recs):  # the job's thread is known by its last step: that one is put last
-                rec |= {"devices": grant.gpus, "start_s": round(t0 - t_start, 3), "end_s": round(time.time() - t_start, 3)}
+                rec |= {
+                    "devices": grant.gpus,
+                    "start_s": round(t0 - t_start, 3),
+                    "end_s": round(time.time() - t_start, 3),
+                }
                 if grant.gate and s.kind == "benchmark":
                     rec["measured_s"] = grant.windows  # when it had its shared GPU alone
                 done.put((s, rec))
@@ -228,7 +298,14 @@ class Runner:
                         pending.remove(s)
                         failed[s.id] = f"skipped: {broken[0]} failed"
                         self.say(f"  [yellow]-[/yellow] {s.id:<24} skipped ({broken[0]} failed)")
-                        record["stages"][s.id] = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key, "status": "skipped", "reason": failed[s.id]}
+                        record["stages"][s.id] = {
+                            "kind": s.kind,
+                            "artifact": s.artifact,
+                            "env": s.env,
+                            "key": s.key,
+                            "status": "skipped",
+                            "reason": failed[s.id],
+                        }
                         continue
                     if any(d not in self.records for d in deps):
                         continue  # an input is not committed yet
@@ -240,26 +317,35 @@ class Runner:
                         continue
                     job = [s]
                     b = by_id.get(s.joint)
-                    if b in pending and (_forced(b, force) or self.cache.lookup(b.id, b.key) is None) and all(
-                            d in self.records for d in (b.src, *b.refs.values()) if d in ids):
+                    if (
+                        b in pending
+                        and (_forced(b, force) or self.cache.lookup(b.id, b.key) is None)
+                        and all(d in self.records for d in (b.src, *b.refs.values()) if d in ids)
+                    ):
                         job = [s, b]  # both to build: one job, on the benchmark's terms (whole GPUs, or the host alone)
                     head = job[-1]
                     tp = (head.inp.benchmark.engine.tensor_parallel_size or 1) if head.kind == "benchmark" else 1
                     share = head.kind == "benchmark" and self.executor is None and shares_gpu(head.inp.benchmark)
-                    grant = self.scheduler.try_start(head.id, head.kind, self.estimates.get(head.id), n_gpus=tp, share=share)
+                    grant = self.scheduler.try_start(
+                        head.id, head.kind, self.estimates.get(head.id), n_gpus=tp, share=share
+                    )
                     if grant is None:
                         continue
                     if share and not grant.exclusive:
                         grant.gate = measure_gate.new_folder(self.tmpdir)
                     for x in job:
                         pending.remove(x)
-                    threads[head.id] = threading.Thread(target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True)
+                    threads[head.id] = threading.Thread(
+                        target=work, args=(job, grant), name=f"{head.id}@{id(self):x}", daemon=True
+                    )
                     threads[head.id].start()
                 if self.executor is None:  # with Ray, benchmarks keep whole GPUs
                     self._tend_gates(t_start)
                 if not threads and done.empty():
                     if pending:  # nothing runs and nothing can start: a dependency outside the plan, or a bug
-                        raise RunError(f"no stage can start: {', '.join(s.id for s in pending)} wait for inputs that are not planned")
+                        raise RunError(
+                            f"no stage can start: {', '.join(s.id for s in pending)} wait for inputs that are not planned"
+                        )
                     break
                 try:
                     s, rec = done.get(timeout=0.5)
@@ -269,7 +355,10 @@ class Runner:
                 if th is not None:
                     th.join()
                     self.scheduler.finish(s.id)
-                rec["preflight"] = {"estimate": preflight.record(self.estimates, s.id), "actual": preflight.actual_peak(rec.get("metrics", {}))}
+                rec["preflight"] = {
+                    "estimate": preflight.record(self.estimates, s.id),
+                    "actual": preflight.actual_peak(rec.get("metrics", {})),
+                }
                 record["stages"][s.id] = rec
                 write_record(run_dir, record, self.secret_values)
         finally:
@@ -292,13 +381,17 @@ class Runner:
                     g.windows.append([round(time.time() - t_start, 3), None])
                 elif first:
                     where = f"GPU {','.join(g.gpus)}" if g.gpus else "the host"
-                    self.say(f"  [dim]…[/dim] {sid:<24} waits for {where} to itself to measure "
-                             f"(busy: {', '.join(self.scheduler.blockers(sid))})")
+                    self.say(
+                        f"  [dim]…[/dim] {sid:<24} waits for {where} to itself to measure "
+                        f"(busy: {', '.join(self.scheduler.blockers(sid))})"
+                    )
             elif state == "done" and g.phase == "measuring":
                 self.scheduler.end_measure(sid)
                 g.windows[-1][1] = round(time.time() - t_start, 3)
 
-    def _do_step(self, s: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, built=None) -> dict:
+    def _do_step(
+        self, s: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, built=None
+    ) -> dict:
         """Reuse or build one stage and record it; `built`: what a joint job made of it ((marker, state) or StageFailed)."""
         rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key}
         t0 = time.perf_counter()
@@ -316,15 +409,27 @@ class Runner:
             try:  # with Ray a node takes the entry's lock, builds and commits it (run/ray_executor.py)
                 if isinstance(built, StageFailed):
                     raise built
-                marker, state = built or (self.executor.build(s, base_dir, run_dir, forced, state) if self.executor
-                                          else self.builder.build_locked(s, base_dir, run_dir, grant, forced, state))
+                marker, state = built or (
+                    self.executor.build(s, base_dir, run_dir, forced, state)
+                    if self.executor
+                    else self.builder.build_locked(s, base_dir, run_dir, grant, forced, state)
+                )
             except StageFailed as e:
-                if self.procs.stopping:  # its processes were stopped by the run's interrupt (a SIGKILL among them): not a failure
+                if (
+                    self.procs.stopping
+                ):  # its processes were stopped by the run's interrupt (a SIGKILL among them): not a failure
                     raise KeyboardInterrupt(f"{s.id} was stopped: the run was interrupted") from None
                 failed[s.id] = str(e)
                 after = f" after {time.perf_counter() - t0:.1f}s" if built is None else ""
                 self.say(f"  [red]x[/red] {s.id:<24} FAILED{after}: {_plain(e.summary)}")
-                return {**rec, "cache": state, "status": "failed", "error": e.summary, "log": str(e.log_path), "log_tail": e.tail}
+                return {
+                    **rec,
+                    "cache": state,
+                    "status": "failed",
+                    "error": e.summary,
+                    "log": str(e.log_path),
+                    "log_tail": e.tail,
+                }
         else:
             state = "hit"
         out = self.cache.entry(s.id, s.key) / "out"
@@ -333,10 +438,20 @@ class Runner:
         dt = marker.get("wall_s") or 0.0 if built is not None and state != "hit" else time.perf_counter() - t0
         note = f" ({_plain(str(metrics['status_note']))})" if metrics.get("status_note") else ""
         self.say(f"  [green]✓[/green] {s.id:<24} {state:<6} {dt:7.1f}s{note}")
-        return {**rec, "cache": state, "status": "ok", "wall_s": round(dt, 3), "stage_wall_s": marker.get("wall_s"), "metrics": metrics, "out": str(out),
-                **({"placement": marker["placement"]} if "placement" in marker else {})}
+        return {
+            **rec,
+            "cache": state,
+            "status": "ok",
+            "wall_s": round(dt, 3),
+            "stage_wall_s": marker.get("wall_s"),
+            "metrics": metrics,
+            "out": str(out),
+            **({"placement": marker["placement"]} if "placement" in marker else {}),
+        }
 
-    def _do_joint(self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, early=None) -> list[dict]:
+    def _do_joint(
+        self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, early=None
+    ) -> list[dict]:
         """An artifact's evaluation and benchmark from one serve-environment process, each with its own key and entry.
         `early(step, record)` gets the evaluation's record once committed, so what reads it may start."""
         forced = {s.id: _forced(s, force) for s in (e, b)}
@@ -349,9 +464,16 @@ class Runner:
             if early is not None:
                 early(e, rec)
 
-        built = (self.executor.build_joint(e, b, base_dir, run_dir, forced, state) if self.executor  # one Ray task, a node takes both locks
-                 else self.builder.build_joint_locked(e, b, base_dir, run_dir, grant, forced, state, on_eval))
-        return [self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id]) for s in (e, b) if s not in sent]
+        built = (
+            self.executor.build_joint(e, b, base_dir, run_dir, forced, state)
+            if self.executor  # one Ray task, a node takes both locks
+            else self.builder.build_joint_locked(e, b, base_dir, run_dir, grant, forced, state, on_eval)
+        )
+        return [
+            self._do_step(s, base_dir, failed, force, run_dir, grant, built=built[s.id])
+            for s in (e, b)
+            if s not in sent
+        ]
 
     def _trap_signals(self):
         def handler(signum, frame):
@@ -360,7 +482,11 @@ class Runner:
             self.procs.signal_all(signal.SIGTERM)
             raise KeyboardInterrupt(f"signal {signum}")
 
-        return {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if threading.current_thread() is threading.main_thread() else {}
+        return (
+            {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+            if threading.current_thread() is threading.main_thread()
+            else {}
+        )
 
     def _restore_signals(self, old) -> None:
         for sig, h in old.items():

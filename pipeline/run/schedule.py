@@ -53,8 +53,12 @@ def gpus(select: str | None = None) -> list[Gpu]:
         found = [Gpu(str(i), int(float(gib or 80) * GIB), "simulated") for i in range(int(n))]
     elif shutil.which("nvidia-smi"):
         try:
-            r = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
-                               capture_output=True, text=True, timeout=20)
+            r = subprocess.run(
+                ["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             rows = [[x.strip() for x in line.split(",", 2)] for line in r.stdout.strip().splitlines() if line.strip()]
             found = [Gpu(i, int(float(mib)) * 2**20, name) for i, mib, name in rows]
         except (OSError, subprocess.SubprocessError, ValueError):
@@ -110,7 +114,11 @@ class Scheduler:
         ram = int(est.get("ram_bytes") or 0)
         if len(self.running) >= max(1, self.jobs):
             return None
-        if self.running and self.ram_bytes is not None and sum(g.ram_bytes for g in self.running.values()) + ram > self.ram_bytes:
+        if (
+            self.running
+            and self.ram_bytes is not None
+            and sum(g.ram_bytes for g in self.running.values()) + ram > self.ram_bytes
+        ):
             return None
         on_host = not self.gpus and self.jobs > 1  # the host shared like one GPU
         if kind in EXCLUSIVE and not (share and n_gpus == 1 and (self.gpus or on_host)):
@@ -121,8 +129,13 @@ class Scheduler:
             return None
         if (kind in SHARED or share) and self.gpus:
             need = int(est.get("gpu_bytes") or est.get("ram_bytes") or 0)
-            fits = [g for g in self.gpus if not any(u.exclusive for u in self._users(g.index)) and not self._held(g.index)
-                    and (self._free_bytes(g) >= need or not self._users(g.index))]
+            fits = [
+                g
+                for g in self.gpus
+                if not any(u.exclusive for u in self._users(g.index))
+                and not self._held(g.index)
+                and (self._free_bytes(g) >= need or not self._users(g.index))
+            ]
             if not fits:
                 return None
             if share:  # a benchmark: the idlest GPU, so that its measurement waits the least
@@ -154,7 +167,9 @@ class Scheduler:
     def _beside(self, sid: str) -> dict[str, Grant]:
         """The other stages on `sid`'s GPUs (on a host without GPUs, every other stage)."""
         g = self.running[sid]
-        return {other: u for other, u in self.running.items() if u is not g and (not self.gpus or set(u.gpus) & set(g.gpus))}
+        return {
+            other: u for other, u in self.running.items() if u is not g and (not self.gpus or set(u.gpus) & set(g.gpus))
+        }
 
     def end_measure(self, sid: str) -> None:
         self.running[sid].phase = "busy"

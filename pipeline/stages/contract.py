@@ -75,7 +75,13 @@ class PackageInput(Strict):
     package: Package
 
 
-INPUTS = {"merge": MergeInput, "quantize": QuantizeInput, "evaluate": EvaluateInput, "benchmark": BenchmarkInput, "package": PackageInput}
+INPUTS = {
+    "merge": MergeInput,
+    "quantize": QuantizeInput,
+    "evaluate": EvaluateInput,
+    "benchmark": BenchmarkInput,
+    "package": PackageInput,
+}
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,16 @@ class Upstream:
     metrics: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"out": str(self.out), "stage": self.stage, "key": self.key, "wall_s": self.wall_s, "metrics": self.metrics}
+        return {
+            "out": str(self.out),
+            "stage": self.stage,
+            "key": self.key,
+            "wall_s": self.wall_s,
+            "metrics": self.metrics,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "Upstream":
-        return cls(out=Path(d["out"]), stage=d["stage"], key=d["key"], wall_s=d.get("wall_s"), metrics=d.get("metrics") or {})
+        return cls(
+            out=Path(d["out"]), stage=d["stage"], key=d["key"], wall_s=d.get("wall_s"), metrics=d.get("metrics") or {}
+        )

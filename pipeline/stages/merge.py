@@ -83,7 +83,9 @@ def run(inp: MergeInput, src: Path, out: Path, upstream: dict[str, Upstream] | N
             f"{_version('peft')}. Check the adapters' adapter_config.json (use_dora, fan_in_fan_out, modules_to_save)."
         )
     if any(k.startswith(("base_model", "peft")) or "lora_" in k for k in merged.state_dict()):
-        raise StageError("the merged model still holds LoRA weights after merge_and_unload; this peft version cannot merge these adapters")
+        raise StageError(
+            "the merged model still holds LoRA weights after merge_and_unload; this peft version cannot merge these adapters"
+        )
 
     dtype = getattr(torch, inp.base.dtype)
     merged = merged.to(dtype)
@@ -94,7 +96,9 @@ def run(inp: MergeInput, src: Path, out: Path, upstream: dict[str, Upstream] | N
     _copy_chat_template(tok_src, out)
     leaked = [p.name for p in out.iterdir() if p.name.startswith("adapter_") or p.suffix in PICKLE_SUFFIXES]
     if leaked:
-        raise StageError(f"merge wrote {', '.join(leaked)} into the merged model; this is a bug in quantpipe's merge stage")
+        raise StageError(
+            f"merge wrote {', '.join(leaked)} into the merged model; this is a bug in quantpipe's merge stage"
+        )
 
     metrics = {
         "n_adapters": len(adapters),
@@ -104,7 +108,10 @@ def run(inp: MergeInput, src: Path, out: Path, upstream: dict[str, Upstream] | N
         "params": sum(p.numel() for p in merged.parameters()),
         "size_bytes": sum(p.stat().st_size for p in out.glob("*.safetensors")),
         "dtype": inp.base.dtype,
-        "adapters": [{k: a[k] for k in ("path", "weight", "r", "lora_alpha", "target_modules", "base_model_name_or_path")} for a in adapters],
+        "adapters": [
+            {k: a[k] for k in ("path", "weight", "r", "lora_alpha", "target_modules", "base_model_name_or_path")}
+            for a in adapters
+        ],
         "tokenizer_from": str(tok_src),
     }
     if shift < 1e-6:
@@ -131,7 +138,9 @@ def _pass_through(inp: MergeInput, src: Path, out: Path) -> dict:
             n += 1
     weights = sorted(out.glob("*.safetensors"))
     if not weights and not inp.base.allow_pickle:
-        raise StageError(f"base.model {src} holds no *.safetensors weights; convert them, or set base.allow_pickle: true if you trust its .bin files")
+        raise StageError(
+            f"base.model {src} holds no *.safetensors weights; convert them, or set base.allow_pickle: true if you trust its .bin files"
+        )
     cfg = json.loads((src / "config.json").read_text())
     text_cfg = cfg.get("text_config", cfg)
     return {
@@ -155,17 +164,25 @@ def _check_adapter(i: int, path: str, weight: float, inp: MergeInput, src: Path,
     where = f"adapters[{i}] ({p})"
     conf_path = p / "adapter_config.json"
     if not conf_path.is_file():
-        raise StageError(f"{where} has no adapter_config.json; point adapters[{i}].path at a PEFT LoRA adapter directory")
+        raise StageError(
+            f"{where} has no adapter_config.json; point adapters[{i}].path at a PEFT LoRA adapter directory"
+        )
     try:
         conf = json.loads(conf_path.read_text())
     except json.JSONDecodeError as e:
-        raise StageError(f"{where}: adapter_config.json is not valid JSON ({e}); re-save the adapter with peft") from None
+        raise StageError(
+            f"{where}: adapter_config.json is not valid JSON ({e}); re-save the adapter with peft"
+        ) from None
     if conf.get("peft_type", "LORA") != "LORA":
-        raise StageError(f"{where} is a {conf.get('peft_type')} adapter; quantpipe merges LoRA adapters only (peft_type LORA)")
+        raise StageError(
+            f"{where} is a {conf.get('peft_type')} adapter; quantpipe merges LoRA adapters only (peft_type LORA)"
+        )
     st = p / "adapter_model.safetensors"
     if not st.is_file():
         if (p / "adapter_model.bin").is_file() and not inp.base.allow_pickle:
-            raise StageError(f"{where} has only a pickle adapter_model.bin; convert it to safetensors or set base.allow_pickle: true if you trust it")
+            raise StageError(
+                f"{where} has only a pickle adapter_model.bin; convert it to safetensors or set base.allow_pickle: true if you trust it"
+            )
         if not (p / "adapter_model.bin").is_file():
             raise StageError(f"{where} has no adapter_model.safetensors")
 
@@ -174,12 +191,24 @@ def _check_adapter(i: int, path: str, weight: float, inp: MergeInput, src: Path,
     if st.is_file():
         _check_shapes(where, st, inp, cfg, vocab)
     return {
-        "name": f"adapter_{i}", "path": str(p), "weight": weight, "r": conf.get("r"), "lora_alpha": conf.get("lora_alpha"),
-        "target_modules": conf.get("target_modules"), "base_model_name_or_path": base_name,
+        "name": f"adapter_{i}",
+        "path": str(p),
+        "weight": weight,
+        "r": conf.get("r"),
+        "lora_alpha": conf.get("lora_alpha"),
+        "target_modules": conf.get("target_modules"),
+        "base_model_name_or_path": base_name,
     }
 
 
-ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+ARCH_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 
 
 def _check_architecture(where: str, base_name: str | None, src: Path, cfg) -> None:
@@ -205,7 +234,9 @@ def _check_architecture(where: str, base_name: str | None, src: Path, cfg) -> No
         )
 
 
-LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?$")
+LORA_KEY = re.compile(
+    r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)(?:\.[^.]+)?(?:\.weight)?$"
+)
 
 
 def _check_shapes(where: str, st: Path, inp: MergeInput, cfg, vocab: int) -> None:
@@ -219,7 +250,9 @@ def _check_shapes(where: str, st: Path, inp: MergeInput, cfg, vocab: int) -> Non
         try:
             meta = AutoModelForCausalLM.from_config(cfg, trust_remote_code=inp.base.trust_remote_code)
         except ValueError as e:
-            raise StageError(f"base.model: transformers cannot build this architecture ({e}); set base.trust_remote_code: true if the model ships its own code and you trust it") from None
+            raise StageError(
+                f"base.model: transformers cannot build this architecture ({e}); set base.trust_remote_code: true if the model ships its own code and you trust it"
+            ) from None
     if vocab > meta.get_input_embeddings().weight.shape[0]:
         meta.resize_token_embeddings(vocab)
     modules = dict(meta.named_modules())
@@ -264,7 +297,9 @@ def _check_shapes(where: str, st: Path, inp: MergeInput, cfg, vocab: int) -> Non
                 wrong.append(f"{m['module']}.{kind}: adapter {list(shape)} vs base layer in={n_in} out={n_out}")
     if missing or wrong:
         arch = (cfg.architectures or [cfg.model_type])[0]
-        detail = "; ".join(([f"modules missing in the base: {', '.join(sorted(set(missing))[:4])}"] if missing else []) + wrong[:3])
+        detail = "; ".join(
+            ([f"modules missing in the base: {', '.join(sorted(set(missing))[:4])}"] if missing else []) + wrong[:3]
+        )
         raise StageError(
             f"{where} does not fit base.model ({arch}, hidden_size {getattr(cfg.get_text_config(), 'hidden_size', '?')}): {detail}. "
             "It was trained for a different model; set base.model to the model it was trained on, or use an adapter trained on this base"
@@ -285,7 +320,11 @@ def _apply_adapters(model, adapters: list[dict]):
                 peft_model.load_adapter(a["path"], adapter_name=a["name"])
         except (RuntimeError, ValueError, KeyError) as e:
             msg = str(e).strip().splitlines()
-            hint = "it was trained for a different model" if "size mismatch" in str(e) or "not found" in str(e) else "peft cannot load it"
+            hint = (
+                "it was trained for a different model"
+                if "size mismatch" in str(e) or "not found" in str(e)
+                else "peft cannot load it"
+            )
             raise StageError(
                 f"adapter {a['path']} cannot be applied to base.model: {hint} ({msg[0][:300] if msg else type(e).__name__}). "
                 "Set base.model to the model it was trained on, or use an adapter trained on this base"
@@ -351,7 +390,13 @@ def _probe_ids(tokenizer, config) -> list[list[int]]:
     texts = list(PROBE_TEXTS)
     if getattr(tokenizer, "chat_template", None):
         try:
-            texts.append(tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True))
+            texts.append(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": "What is the capital of France?"}],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            )
         except Exception as e:  # a template that needs other roles or fields: the plain prompts suffice
             log.info("chat template not used for the merge check: %s", e)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:64] for t in texts]

@@ -1,6 +1,6 @@
 """`doctor.probe()` and the GPU verdicts, run in the serve environment with quantpipe loaded from a folder.
 
-    <serve env>/bin/python tests/helpers/doctor_probe.py PACKAGE/__init__.py PACKAGE_DIR    prints RESULT {json}
+<serve env>/bin/python tests/helpers/doctor_probe.py PACKAGE/__init__.py PACKAGE_DIR    prints RESULT {json}
 """
 
 import importlib.util
@@ -14,5 +14,8 @@ spec.loader.exec_module(mod)
 from quantpipe import doctor  # noqa: E402
 
 scheme = {label: s for label, _, s, _ in doctor.SCHEMES}
-gpu = {cc: {label: doctor._cuda_verdict(scheme[label], cls, cc)[0] for label, _, _, cls in doctor.SCHEMES if cls} for cc in (80, 90)}
+gpu = {
+    cc: {label: doctor._cuda_verdict(scheme[label], cls, cc)[0] for label, _, _, cls in doctor.SCHEMES if cls}
+    for cc in (80, 90)
+}
 print("RESULT " + json.dumps({"probe": doctor.probe(), "gpu": gpu}))

@@ -1,6 +1,6 @@
 """The benchmark's sweep (`measure`) against a live server under a model name it does not serve: every request fails.
 
-    <serve env>/bin/python tests/helpers/measure_all_fail.py PIPELINE_DIR CFG.json    exit 3 with "STAGE_ERROR: ..." on stdout
+<serve env>/bin/python tests/helpers/measure_all_fail.py PIPELINE_DIR CFG.json    exit 3 with "STAGE_ERROR: ..." on stdout
 """
 
 import json

@@ -1,6 +1,6 @@
 """The benchmark's offline figures (`vllm bench latency` / `throughput`) on a model, in the serve environment.
 
-    <serve env>/bin/python tests/helpers/offline_bench.py PIPELINE_DIR MODEL_DIR OUT_DIR    prints RESULT{json}
+<serve env>/bin/python tests/helpers/offline_bench.py PIPELINE_DIR MODEL_DIR OUT_DIR    prints RESULT{json}
 """
 
 import json

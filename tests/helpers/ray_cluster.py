@@ -22,7 +22,11 @@ def marked(mark: str) -> list[psutil.Process]:
     out, needle = [], f"{MARK}={mark}".encode()
     for p in psutil.process_iter(["pid", "status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and p.pid != os.getpid() and needle in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0"):
+            if (
+                p.info["status"] != psutil.STATUS_ZOMBIE
+                and p.pid != os.getpid()
+                and needle in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")
+            ):
                 out.append(p)
         except (psutil.Error, OSError):
             pass
@@ -40,11 +44,21 @@ def ray_cluster(nodes: int, system: dict | None = None, **node):
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", MARK, "QUANTPIPE_GPUS")}
     os.environ.update({"RAY_TMPDIR": tmp, MARK: mark, **({"QUANTPIPE_GPUS": "1x24"} if node.get("num_gpus") else {})})
     node = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20, **node}
-    fast = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, **(system or {})}  # a lost node is dead in seconds
-    c = Cluster(initialize_head=True, shutdown_at_exit=False, head_node_args={**node, "include_dashboard": False, "_system_config": fast})
+    fast = {
+        "health_check_period_ms": 1000,
+        "health_check_failure_threshold": 3,
+        **(system or {}),
+    }  # a lost node is dead in seconds
+    c = Cluster(
+        initialize_head=True,
+        shutdown_at_exit=False,
+        head_node_args={**node, "include_dashboard": False, "_system_config": fast},
+    )
     try:
         more = [c.add_node(**node) for _ in range(nodes - 1)]
-        yield SimpleNamespace(cluster=c, address=c.address, head=c.head_node, second=more[0] if more else None, node=node, mark=mark)
+        yield SimpleNamespace(
+            cluster=c, address=c.address, head=c.head_node, second=more[0] if more else None, node=node, mark=mark
+        )
     finally:
         for n in [*c.worker_nodes, c.head_node]:
             if n is not None:
@@ -55,7 +69,9 @@ def ray_cluster(nodes: int, system: dict | None = None, **node):
             quiet = 0 if left else quiet + 1
             for p in left:
                 try:
-                    if p.ppid() == 1 or time.monotonic() > deadline:  # orphaned, or still there after 30 s: killed by pid
+                    if (
+                        p.ppid() == 1 or time.monotonic() > deadline
+                    ):  # orphaned, or still there after 30 s: killed by pid
                         p.kill()
                 except psutil.Error:
                     pass

@@ -1,7 +1,7 @@
 """Test models made the plain way, without quantpipe: a LoRA merged by peft, or a one-shot llm-compressor scheme.
 
-    python tests/helpers/tiny_artifacts.py merge BASE ADAPTER OUT
-    python tests/helpers/tiny_artifacts.py quantize SRC OUT SCHEME      (e.g. W8A16, W4A16)
+python tests/helpers/tiny_artifacts.py merge BASE ADAPTER OUT
+python tests/helpers/tiny_artifacts.py quantize SRC OUT SCHEME      (e.g. W8A16, W4A16)
 """
 
 import sys

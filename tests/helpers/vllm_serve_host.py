@@ -1,6 +1,6 @@
 """The host that `vllm serve`'s own argument parser (vllm/entrypoints/cli/main.py) ends with, for each argument list.
 
-    <serve env>/bin/python tests/helpers/vllm_serve_host.py '[["serve", "MODEL", ...], ...]'    prints a JSON list
+<serve env>/bin/python tests/helpers/vllm_serve_host.py '[["serve", "MODEL", ...], ...]'    prints a JSON list
 """
 
 import json

@@ -31,9 +31,11 @@ from .offline import offline
 from .workloads import validation_rows, workload_data
 
 log = logging.getLogger(__name__)
-SHARED_NOTE = ("the server started beside other work on its GPU (or CPU host; the engine sets kv_cache_memory_bytes, so the "
-               "scheduler shares the device outside measured runs): its start-up phases include that contention; its warm-up "
-               "and every measured run had the device to itself (`gate` in each variant: how long it waited for it)")
+SHARED_NOTE = (
+    "the server started beside other work on its GPU (or CPU host; the engine sets kv_cache_memory_bytes, so the "
+    "scheduler shares the device outside measured runs): its start-up phases include that contention; its warm-up "
+    "and every measured run had the device to itself (`gate` in each variant: how long it waited for it)"
+)
 
 
 def _versions() -> dict:
@@ -60,10 +62,28 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
 
     plat = probe_platform()
     result: dict = {
-        "artifact": inp.artifact, "method": inp.method, "servable": True, "reason": None, "status_note": None,
-        "platform": plat["platform"], "platform_info": plat, "engine": None, "engine_notes": [], "server_start_s": None, "startup": None, "shared_s": None,
-        "results": [], "variants": {}, "memory": None, "offline": None, "best": None, "goodput_search": None, "lora": None, "workloads": [],
-        "versions": _versions(), "hardware": hardware(),
+        "artifact": inp.artifact,
+        "method": inp.method,
+        "servable": True,
+        "reason": None,
+        "status_note": None,
+        "platform": plat["platform"],
+        "platform_info": plat,
+        "engine": None,
+        "engine_notes": [],
+        "server_start_s": None,
+        "startup": None,
+        "shared_s": None,
+        "results": [],
+        "variants": {},
+        "memory": None,
+        "offline": None,
+        "best": None,
+        "goodput_search": None,
+        "lora": None,
+        "workloads": [],
+        "versions": _versions(),
+        "hardware": hardware(),
     }
 
     def finish() -> dict:
@@ -96,7 +116,9 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
         lora_flags, lora_names, lora_notes = lora_setup(inp.adapters)
 
     failed_variants = []
-    client = BenchClient(out / "logs" / "bench-client.log")  # the stage's `vllm bench serve` runs (client.py: forked on CUDA hosts)
+    client = BenchClient(
+        out / "logs" / "bench-client.log"
+    )  # the stage's `vllm bench serve` runs (client.py: forked on CUDA hosts)
     # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
     try:
         client.start()  # on a CUDA host its imports overlap the server's start
@@ -106,13 +128,30 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
                 engine, notes = effective_engine(e, inp, src, plat, need)
                 if os.environ.get(GATE_ENV):
                     notes = [*notes, SHARED_NOTE]
-                info = serve_variant(vname, served, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
-                                     client=client, on_ready=on_ready if vname == "default" else None)
+                info = serve_variant(
+                    vname,
+                    served,
+                    engine,
+                    bench,
+                    inp.served_model_name,
+                    plat,
+                    workloads,
+                    data,
+                    str(src),
+                    out,
+                    vocab,
+                    client=client,
+                    on_ready=on_ready if vname == "default" else None,
+                )
                 info["engine_notes"] = notes
                 result["variants"][vname] = {k: v for k, v in info.items() if k not in ("rows", "goodput_search")}
                 result["results"] += info["rows"]
                 if vname == "default":
-                    result["engine"], result["engine_notes"], result["server_start_s"] = engine, notes, info.get("server_start_s")
+                    result["engine"], result["engine_notes"], result["server_start_s"] = (
+                        engine,
+                        notes,
+                        info.get("server_start_s"),
+                    )
                     result["startup"], result["shared_s"] = info.get("startup"), info.get("shared_s")
                     result["goodput_search"] = info.get("goodput_search")
                     if not info["servable"]:
@@ -121,21 +160,43 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
                     result["memory"] = info["memory"]
                     if bench.offline:
                         with measuring():
-                            result["offline"] = offline(served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out)
+                            result["offline"] = offline(
+                                served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out
+                            )
                 elif not info["servable"]:
                     failed_variants.append(vname)
 
         if lora_flags:
             base_dir = Path(inp.base.model)
             engine, notes = effective_engine(bench.engine, inp, base_dir, plat, need)
-            info = serve_variant("lora", base_dir, engine, bench, inp.served_model_name, plat, workloads, data, str(src), out, vocab,
-                                 extra_args=lora_flags, lora_names=lora_names, client=client)
+            info = serve_variant(
+                "lora",
+                base_dir,
+                engine,
+                bench,
+                inp.served_model_name,
+                plat,
+                workloads,
+                data,
+                str(src),
+                out,
+                vocab,
+                extra_args=lora_flags,
+                lora_names=lora_names,
+                client=client,
+            )
             merged_rows = [r for r in result["results"] if r["variant"] == "default"]
             result["lora"] = {
-                "servable": info["servable"], "reason": info["reason"], "adapters": {n: a.path for n, a in zip(lora_names, inp.adapters)},
-                "engine": {**engine, "lora_flags": lora_flags}, "server_start_s": info.get("server_start_s"), "memory": info.get("memory"),
+                "servable": info["servable"],
+                "reason": info["reason"],
+                "adapters": {n: a.path for n, a in zip(lora_names, inp.adapters)},
+                "engine": {**engine, "lora_flags": lora_flags},
+                "server_start_s": info.get("server_start_s"),
+                "memory": info.get("memory"),
                 "port": info.get("port"),
-                "results": info["rows"], "comparison": compare_lora(info["rows"], merged_rows), "notes": lora_notes + notes,
+                "results": info["rows"],
+                "comparison": compare_lora(info["rows"], merged_rows),
+                "notes": lora_notes + notes,
                 "log": info["log"],
             }
     finally:
@@ -144,10 +205,15 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
     result["best"] = pick_best(result["results"], bench)
     found = result.get("goodput_search")
     if found and found["concurrency"] and (found["goodput"] or 0) > (result["best"].get("goodput") or 0):
-        result["best"] = {"variant": "default", "concurrency": found["concurrency"], "goodput": found["goodput"],
-                          "goodput_ci95": found["goodput_ci95"], "search": True,
-                          "reason": f"the goodput search's highest concurrency within the SLO on workload {found['workload']!r} "
-                                    f"(up to {found['bound']}, to within 10 %): {found['goodput'] or 0:.3g} req/s at concurrency {found['concurrency']}"}
+        result["best"] = {
+            "variant": "default",
+            "concurrency": found["concurrency"],
+            "goodput": found["goodput"],
+            "goodput_ci95": found["goodput_ci95"],
+            "search": True,
+            "reason": f"the goodput search's highest concurrency within the SLO on workload {found['workload']!r} "
+            f"(up to {found['bound']}, to within 10 %): {found['goodput'] or 0:.3g} req/s at concurrency {found['concurrency']}",
+        }
     if failed_variants:
         result["status_note"] = "variants not servable here: " + ", ".join(failed_variants)
     return finish()

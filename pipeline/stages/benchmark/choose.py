@@ -13,28 +13,49 @@ def pick_best(rows: list[dict], bench: Benchmark) -> dict:
     wl = bench.workloads[0].name
     cands = [r for r in rows if r["workload"] == wl and r.get("completed")]
     s = bench.slo
-    bounds = ", ".join(f"{k.removesuffix('_ms').replace('_', ' ')} ≤ {v:g} ms" for k, v in s.model_dump().items() if v is not None)
+    bounds = ", ".join(
+        f"{k.removesuffix('_ms').replace('_', ' ')} ≤ {v:g} ms" for k, v in s.model_dump().items() if v is not None
+    )
     if not cands:
-        return {"variant": None, "concurrency": None, "goodput": None, "reason": f"nothing was measured on workload {wl!r}"}
+        return {
+            "variant": None,
+            "concurrency": None,
+            "goodput": None,
+            "reason": f"nothing was measured on workload {wl!r}",
+        }
     if not bounds:
-        r = max(cands, key=lambda r: (r["request_throughput"] or 0))
-        return {"variant": r["variant"], "concurrency": r["concurrency"], "goodput": r["request_throughput"],
-                "goodput_ci95": (r.get("ci95") or {}).get("request_throughput"),
-                "reason": f"no SLO set: the most requests/s on workload {wl!r} ({r['request_throughput']:.3g} req/s)"}
+        r = max(cands, key=lambda r: r["request_throughput"] or 0)
+        return {
+            "variant": r["variant"],
+            "concurrency": r["concurrency"],
+            "goodput": r["request_throughput"],
+            "goodput_ci95": (r.get("ci95") or {}).get("request_throughput"),
+            "reason": f"no SLO set: the most requests/s on workload {wl!r} ({r['request_throughput']:.3g} req/s)",
+        }
     ok = [r for r in cands if r.get("slo_met")]
     if not ok:
-        near = min(cands, key=lambda r: ((r.get("ttft_ms") or {}).get("p99") or math.inf))
-        return {"variant": None, "concurrency": None, "goodput": 0.0,
-                "reason": f"no variant meets the SLO ({bounds}) on workload {wl!r} at any measured concurrency; lowest TTFT p99 "
-                          f"{(near.get('ttft_ms') or {}).get('p99') or float('nan'):.1f} ms ({near['variant']}, concurrency {near['concurrency']})"}
+        near = min(cands, key=lambda r: (r.get("ttft_ms") or {}).get("p99") or math.inf)
+        return {
+            "variant": None,
+            "concurrency": None,
+            "goodput": 0.0,
+            "reason": f"no variant meets the SLO ({bounds}) on workload {wl!r} at any measured concurrency; lowest TTFT p99 "
+            f"{(near.get('ttft_ms') or {}).get('p99') or float('nan'):.1f} ms ({near['variant']}, concurrency {near['concurrency']})",
+        }
     r = max(ok, key=lambda r: (r.get("goodput") or 0, -r["concurrency"]))
-    return {"variant": r["variant"], "concurrency": r["concurrency"], "goodput": r.get("goodput"),
-            "goodput_ci95": (r.get("ci95") or {}).get("goodput"),
-            "reason": f"meets the SLO ({bounds}) on workload {wl!r} with the most goodput: {r.get('goodput') or 0:.3g} req/s "
-                      f"at concurrency {r['concurrency']} ({len(ok)} of {len(cands)} variant x concurrency points meet it)"}
+    return {
+        "variant": r["variant"],
+        "concurrency": r["concurrency"],
+        "goodput": r.get("goodput"),
+        "goodput_ci95": (r.get("ci95") or {}).get("goodput"),
+        "reason": f"meets the SLO ({bounds}) on workload {wl!r} with the most goodput: {r.get('goodput') or 0:.3g} req/s "
+        f"at concurrency {r['concurrency']} ({len(ok)} of {len(cands)} variant x concurrency points meet it)",
+    }
 
 
-def highest_within_slo(probe, known: dict[int, bool], bound: int, resolution: float = 0.1) -> tuple[int | None, list[int]]:
+def highest_within_slo(
+    probe, known: dict[int, bool], bound: int, resolution: float = 0.1
+) -> tuple[int | None, list[int]]:
     """The highest concurrency in [1, bound] at which the SLO holds (taken to hold below any concurrency where it holds),
     by bisection with `probe(c) -> bool` between the highest pass and the lowest fail in `known` (concurrency -> SLO met)
     until they are within `resolution`. Returns (that concurrency, None when it fails even at 1; the concurrencies probed)."""
@@ -63,8 +84,13 @@ def compare_lora(lora_rows: list[dict], merged_rows: list[dict]) -> list[dict]:
         def ratio(a, b):
             return round(a / b, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
-        out.append({"workload": r["workload"], "concurrency": r["concurrency"],
-                    "output_throughput_ratio": ratio(r["output_throughput"], m["output_throughput"]),
-                    "ttft_p50_ratio": ratio(r["ttft_ms"]["p50"], m["ttft_ms"]["p50"]),
-                    "tpot_p50_ratio": ratio(r["tpot_ms"]["p50"], m["tpot_ms"]["p50"])})
+        out.append(
+            {
+                "workload": r["workload"],
+                "concurrency": r["concurrency"],
+                "output_throughput_ratio": ratio(r["output_throughput"], m["output_throughput"]),
+                "ttft_p50_ratio": ratio(r["ttft_ms"]["p50"], m["ttft_ms"]["p50"]),
+                "tpot_p50_ratio": ratio(r["tpot_ms"]["p50"], m["tpot_ms"]["p50"]),
+            }
+        )
     return out

@@ -31,7 +31,9 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
     with open(log_path, "w") as logf:
         logf.write("$ " + " ".join(cmd) + "\n")
         logf.flush()
-        p = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig)
+        p = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
+        )
         try:
             return p.wait()
         except BaseException:
@@ -82,8 +84,14 @@ class BenchClient:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._ready = False
         with open(self.log_path, "a") as logf:
-            self._proc = subprocess.Popen([sys.executable, __file__, *(() if self.fork else ("--once",))], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=logf, text=True, preexec_fn=_set_pdeathsig)
+            self._proc = subprocess.Popen(
+                [sys.executable, __file__, *(() if self.fork else ("--once",))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logf,
+                text=True,
+                preexec_fn=_set_pdeathsig,
+            )
         return self._proc
 
     def ready(self) -> None:
@@ -121,7 +129,9 @@ class BenchClient:
             raise
         if not line:
             self.close()
-            raise RuntimeError(f"the vllm bench serve client exited (code {p.poll()}); its output is in {self.log_path}")
+            raise RuntimeError(
+                f"the vllm bench serve client exited (code {p.poll()}); its output is in {self.log_path}"
+            )
         return json.loads(line)[key]
 
     def close(self) -> None:
@@ -170,7 +180,9 @@ def _serve_requests(once: bool) -> None:
         if pid == 0:
             code = 1
             try:
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the client
+                ctypes.CDLL("libc.so.6", use_errno=True).prctl(
+                    1, signal.SIGTERM
+                )  # PR_SET_PDEATHSIG: die with the client
                 fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)

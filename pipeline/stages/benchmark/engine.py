@@ -22,14 +22,20 @@ from ..contract import BenchmarkInput
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM accepts
 
 
-def effective_engine(engine: Engine, inp: BenchmarkInput, model_dir: Path, plat: dict, need_len: int) -> tuple[dict, list[str]]:
+def effective_engine(
+    engine: Engine, inp: BenchmarkInput, model_dir: Path, plat: dict, need_len: int
+) -> tuple[dict, list[str]]:
     """The engine arguments a server gets (the recipe's, plus those named above), and notes on what was set."""
     e = {k: v for k, v in engine.model_dump().items() if v is not None and v != []}
     notes = []
     e = {"dtype": inp.base.dtype, **e}
     if inp.base.trust_remote_code:
         e["trust_remote_code"] = True
-    if plat.get("platform") == "cpu" and "kv_cache_memory_bytes" not in e and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+    if (
+        plat.get("platform") == "cpu"
+        and "kv_cache_memory_bytes" not in e
+        and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
+    ):
         bpt = kv_bytes_per_token(model_dir, e.get("kv_cache_dtype"))
         c = text_config(model_dir)
         max_len = e.get("max_model_len") or c.get("max_position_embeddings") or need_len
@@ -41,14 +47,18 @@ def effective_engine(engine: Engine, inp: BenchmarkInput, model_dir: Path, plat:
         if want > cap and bpt:
             if "max_model_len" not in e and max_len > need_len:
                 e["max_model_len"] = int(math.ceil(need_len / 256) * 256)
-                notes.append(f"max_model_len set to {e['max_model_len']} (the longest workload needs {need_len} tokens): "
-                             f"the model's {max_len} would not fit a CPU KV cache within a quarter of the free memory")
+                notes.append(
+                    f"max_model_len set to {e['max_model_len']} (the longest workload needs {need_len} tokens): "
+                    f"the model's {max_len} would not fit a CPU KV cache within a quarter of the free memory"
+                )
                 want = max(DEFAULT_CPU_KV_BYTES, int(bpt * max(e["max_model_len"], need_len * conc) * 1.1))
             want = min(want, cap)
         want = int(math.ceil(want / 2**20) * 2**20)
         e["kv_cache_memory_bytes"] = want
-        notes.append(f"kv_cache_memory_bytes set to {want} ({want / 2**30:.2f} GiB): vLLM's CPU backend needs an explicit "
-                     "KV-cache size and the recipe sets none (benchmark.engine.kv_cache_memory_bytes)")
+        notes.append(
+            f"kv_cache_memory_bytes set to {want} ({want / 2**30:.2f} GiB): vLLM's CPU backend needs an explicit "
+            "KV-cache size and the recipe sets none (benchmark.engine.kv_cache_memory_bytes)"
+        )
     return e, notes
 
 
@@ -68,18 +78,25 @@ def lora_setup(adapters: list[Adapter]) -> tuple[list[str], list[str], list[str]
         try:
             cfg = json.loads((Path(a.path) / "adapter_config.json").read_text())
         except (OSError, ValueError) as e:
-            raise StageError(f"adapters.{i}.path: cannot read adapter_config.json ({e}); check the adapter directory") from None
+            raise StageError(
+                f"adapters.{i}.path: cannot read adapter_config.json ({e}); check the adapter directory"
+            ) from None
         name = f"adapter{i}"
         names.append(name)
         mods.append(f"{name}={a.path}")
         ranks.append(int(cfg.get("r") or 16))
         if a.weight != 1.0:
-            notes.append(f"{name}: weight {a.weight:g} is applied when merging but not at request time (vLLM serves the adapter as trained)")
+            notes.append(
+                f"{name}: weight {a.weight:g} is applied when merging but not at request time (vLLM serves the adapter as trained)"
+            )
     if len(names) > 1:
-        notes.append(f"vLLM applies one adapter per request: the {len(names)} adapters take turns (round-robin), while the merged model holds all of them")
+        notes.append(
+            f"vLLM applies one adapter per request: the {len(names)} adapters take turns (round-robin), while the merged model holds all of them"
+        )
     rank = next((r for r in LORA_RANKS if r >= max(ranks)), None)
     if rank is None:
-        raise StageError(f"adapter rank {max(ranks)} exceeds vLLM's largest max_lora_rank ({LORA_RANKS[-1]}); set benchmark.lora: false")
+        raise StageError(
+            f"adapter rank {max(ranks)} exceeds vLLM's largest max_lora_rank ({LORA_RANKS[-1]}); set benchmark.lora: false"
+        )
     flags = ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(len(names)), "--lora-modules", *mods]
     return flags, names, notes
-

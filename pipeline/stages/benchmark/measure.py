@@ -37,22 +37,64 @@ FIRST_REQUEST_S = 120.0
 
 def slo_goodput_args(s: SLO) -> list[str]:
     """vLLM's --goodput bounds for the SLO ([] without one)."""
-    pairs = [f"{k}:{v:g}" for k, v in (("ttft", s.ttft_p99_ms), ("tpot", s.tpot_p99_ms), ("e2el", s.e2el_p99_ms)) if v is not None]
+    pairs = [
+        f"{k}:{v:g}"
+        for k, v in (("ttft", s.ttft_p99_ms), ("tpot", s.tpot_p99_ms), ("e2el", s.e2el_p99_ms))
+        if v is not None
+    ]
     return ["--goodput", *pairs] if pairs else []
 
 
-def bench_serve_args(srv: Server, w: Workload, data: dict | None, concurrency: int, tokenizer: str, seed: int,
-                     result_dir: Path, filename: str, goodput: list[str], lora_names: list[str] | None = None) -> list[str]:
+def bench_serve_args(
+    srv: Server,
+    w: Workload,
+    data: dict | None,
+    concurrency: int,
+    tokenizer: str,
+    seed: int,
+    result_dir: Path,
+    filename: str,
+    goodput: list[str],
+    lora_names: list[str] | None = None,
+) -> list[str]:
     """The `vllm bench serve` argument list for one run (what the CLI would be given after `bench serve`)."""
     args = [
-        "--backend", "openai", "--host", "127.0.0.1", "--port", str(srv.port), "--endpoint", "/v1/completions",
-        "--model", srv.served_model_name, "--tokenizer", tokenizer,
+        "--backend",
+        "openai",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(srv.port),
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        srv.served_model_name,
+        "--tokenizer",
+        tokenizer,
         *dataset_args(w, data),
-        "--num-prompts", str(w.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-        "--ignore-eos", "--temperature", "0", "--seed", str(seed),
-        "--percentile-metrics", ",".join(METRICS), "--metric-percentiles", ",".join(map(str, PERCENTILES)),
+        "--num-prompts",
+        str(w.num_prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        ",".join(METRICS),
+        "--metric-percentiles",
+        ",".join(map(str, PERCENTILES)),
         *goodput,
-        "--save-result", "--save-detailed", "--result-dir", str(result_dir), "--result-filename", filename, "--disable-tqdm",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        filename,
+        "--disable-tqdm",
     ]
     if lora_names:
         args += ["--lora-modules", *lora_names, "--lora-assignment", "round-robin"]
@@ -73,16 +115,22 @@ def require_completed(raw: dict, what: str, log_path: Path) -> None:
     if raw.get("completed"):
         return
     errors = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln]
-    raise StageError(f"vllm bench serve completed none of the requests of {what}: {raw.get('failed')} failed"
-                     + (f" ({errors[-1][:300]})" if errors else "") + f"; the requests' errors are in {log_path}")
+    raise StageError(
+        f"vllm bench serve completed none of the requests of {what}: {raw.get('failed')} failed"
+        + (f" ({errors[-1][:300]})" if errors else "")
+        + f"; the requests' errors are in {log_path}"
+    )
 
 
 def row_from_vllm(raw: dict, slo: SLO | None = None) -> dict:
     """vLLM's result JSON -> quantpipe's result row (latencies in ms, p50/p90/p99), with the 95% intervals of
     `stats.intervals` where the result carries its requests (`p50_ci95`/`p99_ci95` per latency, `ci95` per rate)."""
     row = {
-        "completed": raw.get("completed"), "failed": raw.get("failed"), "duration_s": raw.get("duration"),
-        "request_throughput": raw.get("request_throughput"), "output_throughput": raw.get("output_throughput"),
+        "completed": raw.get("completed"),
+        "failed": raw.get("failed"),
+        "duration_s": raw.get("duration"),
+        "request_throughput": raw.get("request_throughput"),
+        "output_throughput": raw.get("output_throughput"),
         "total_token_throughput": raw.get("total_token_throughput"),
     }
     for m in METRICS:
@@ -139,8 +187,11 @@ def engine_stats(log_segment: str) -> dict:
     found = _STATS_LINE.findall(log_segment)
     if not found:
         return {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}
-    return {"kv_cache_usage_peak": max(float(u) for _, _, u in found) / 100, "running_peak": max(int(r) for r, _, _ in found),
-            "waiting_peak": max(int(w) for _, w, _ in found)}
+    return {
+        "kv_cache_usage_peak": max(float(u) for _, _, u in found) / 100,
+        "running_peak": max(int(r) for r, _, _ in found),
+        "waiting_peak": max(int(w) for _, w, _ in found),
+    }
 
 
 def reset_prefix_cache(srv: Server) -> bool:
@@ -155,29 +206,42 @@ def reset_prefix_cache(srv: Server) -> bool:
         return False
 
 
-def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, max_len: int | None = None, batch: int = 1) -> None:
+def warm_up(
+    srv: Server, w: Workload, vocab: int, models: list[str], seed: int, max_len: int | None = None, batch: int = 1
+) -> None:
     """A few requests (token-id prompts unlike any workload's) so the runs measure a warm server; for LoRA, one per adapter
     so that loading it is not timed, then `batch` at once: on an H200 the first batched LoRA run after single-request
     warm-up took 2.7 s to first token (kernels compiled for the batch), 40x the merged model's."""
     rng = random.Random(seed + 7919)
     n_in = max(8, min(w.input_len + (w.prefix_len if w.kind == "shared_prefix" else 0), 512, (max_len or 520) - 8))
     try:  # the first request has a deadline: a server too slow to measure is said to be so in minutes, not hours
-        srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n_in)], max_tokens=4, model=models[0],
-                       timeout_s=FIRST_REQUEST_S)
+        srv.completion(
+            [rng.randrange(100, max(101, vocab - 1)) for _ in range(n_in)],
+            max_tokens=4,
+            model=models[0],
+            timeout_s=FIRST_REQUEST_S,
+        )
     except ServerDied as e:
         if "timed out" not in e.reason:
             raise
         kernels = sorted({f"{k} ({what})" for k, what in LINEAR_KERNEL.findall(srv.log_text())})
-        raise ServerDied(f"a first request of {n_in} prompt tokens and 4 output tokens took over {FIRST_REQUEST_S:g} s, too slow "
-                         "to measure" + (f" (vLLM serves its layers with {', '.join(kernels)})" if kernels else "")
-                         + "; measure it on hardware with native kernels for its scheme", e.log_tail) from None
+        raise ServerDied(
+            f"a first request of {n_in} prompt tokens and 4 output tokens took over {FIRST_REQUEST_S:g} s, too slow "
+            "to measure"
+            + (f" (vLLM serves its layers with {', '.join(kernels)})" if kernels else "")
+            + "; measure it on hardware with native kernels for its scheme",
+            e.log_tail,
+        ) from None
     for model in models:  # one prompt of the workload's length, one short: first-use costs of both shapes are paid here
         for n in (n_in, 16):
             srv.completion([rng.randrange(100, max(101, vocab - 1)) for _ in range(n)], max_tokens=4, model=model)
     if batch > 1:
         from concurrent.futures import ThreadPoolExecutor
 
-        prompts = [([rng.randrange(100, max(101, vocab - 1)) for _ in range(16)], models[i % len(models)]) for i in range(batch)]
+        prompts = [
+            ([rng.randrange(100, max(101, vocab - 1)) for _ in range(16)], models[i % len(models)])
+            for i in range(batch)
+        ]
         with ThreadPoolExecutor(batch) as pool:
             list(pool.map(lambda pm: srv.completion(pm[0], max_tokens=4, model=pm[1]), prompts))
     srv.check_alive()
@@ -186,8 +250,17 @@ def warm_up(srv: Server, w: Workload, vocab: int, models: list[str], seed: int, 
 # --- measuring one server ---------------------------------------------------------------------
 
 
-def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workload], data: dict, tokenizer: str,
-            out: Path, lora_names: list[str] | None = None, client: BenchClient | None = None) -> tuple[list[dict], dict]:
+def measure(
+    srv: Server,
+    bench: Benchmark,
+    variant: str,
+    workloads: list[Workload],
+    data: dict,
+    tokenizer: str,
+    out: Path,
+    lora_names: list[str] | None = None,
+    client: BenchClient | None = None,
+) -> tuple[list[dict], dict]:
     """Every workload x concurrency against a running server; returns (rows, totals over the runs). `client` runs the
     `vllm bench serve` runs (one of its own for this call when None)."""
     if client is None:
@@ -204,14 +277,44 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
             # Without a cache reset, a different seed keeps runs from reusing each other's prompts.
             seed = bench.seed if can_reset else bench.seed + 1000 * wi + ci
             row = _run_point(srv, bench, variant, w, c, seed, data, tokenizer, out, goodput, lora_names, client)
-            n = prompts_for(bench.precision, w.num_prompts, row["half_width"], bench.max_prompts) if bench.precision else w.num_prompts
-            if n > w.num_prompts:  # the first run was a pilot: run the point again with as many requests as its spread asks
-                log.info("benchmark %s: workload %s, concurrency %d: ±%.1f%% from %d requests, %d for ±%.1f%%", variant, w.name, c,
-                         100 * row["half_width"], w.num_prompts, n, 100 * bench.precision)
-                pilot = {"num_prompts": w.num_prompts, "half_width": row["half_width"], "raw": _set_aside(out, row["raw"])}
+            n = (
+                prompts_for(bench.precision, w.num_prompts, row["half_width"], bench.max_prompts)
+                if bench.precision
+                else w.num_prompts
+            )
+            if (
+                n > w.num_prompts
+            ):  # the first run was a pilot: run the point again with as many requests as its spread asks
+                log.info(
+                    "benchmark %s: workload %s, concurrency %d: ±%.1f%% from %d requests, %d for ±%.1f%%",
+                    variant,
+                    w.name,
+                    c,
+                    100 * row["half_width"],
+                    w.num_prompts,
+                    n,
+                    100 * bench.precision,
+                )
+                pilot = {
+                    "num_prompts": w.num_prompts,
+                    "half_width": row["half_width"],
+                    "raw": _set_aside(out, row["raw"]),
+                }
                 can_reset = reset_prefix_cache(srv) and can_reset
-                row = _run_point(srv, bench, variant, w.model_copy(update={"num_prompts": n}), c, seed, data, tokenizer, out, goodput,
-                                 lora_names, client) | {"pilot": pilot}
+                row = _run_point(
+                    srv,
+                    bench,
+                    variant,
+                    w.model_copy(update={"num_prompts": n}),
+                    c,
+                    seed,
+                    data,
+                    tokenizer,
+                    out,
+                    goodput,
+                    lora_names,
+                    client,
+                ) | {"pilot": pilot}
             rows.append(row)
             if row["kv_cache_usage_peak"] is not None:
                 peak_usage = max(peak_usage or 0.0, row["kv_cache_usage_peak"])
@@ -229,8 +332,20 @@ def measure(srv: Server, bench: Benchmark, variant: str, workloads: list[Workloa
     return rows, totals
 
 
-def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int, seed: int, data: dict, tokenizer: str, out: Path,
-               goodput: list[str], lora_names: list[str] | None, client: BenchClient) -> dict:
+def _run_point(
+    srv: Server,
+    bench: Benchmark,
+    variant: str,
+    w: Workload,
+    c: int,
+    seed: int,
+    data: dict,
+    tokenizer: str,
+    out: Path,
+    goodput: list[str],
+    lora_names: list[str] | None,
+    client: BenchClient,
+) -> dict:
     """One `vllm bench serve` run of workload `w` at concurrency `c`: its result row, with the engine's stats around it."""
     raw_dir = out / "raw" / variant
     fname = f"{w.name}-c{c}.json"
@@ -246,8 +361,14 @@ def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int,
     after = _counters(srv.metrics())
     raw = json.loads((raw_dir / fname).read_text())
     require_completed(raw, f"workload {w.name!r} at concurrency {c} (variant {variant!r})", bench_log)
-    row = {"variant": variant, "workload": w.name, "kind": w.kind, "concurrency": c, "num_prompts": w.num_prompts,
-           **row_from_vllm(raw, bench.slo if goodput else None)}
+    row = {
+        "variant": variant,
+        "workload": w.name,
+        "kind": w.kind,
+        "concurrency": c,
+        "num_prompts": w.num_prompts,
+        **row_from_vllm(raw, bench.slo if goodput else None),
+    }
     row["goodput"] = raw.get("request_goodput") if goodput else None
     row["slo_met"] = slo_met(row, bench.slo)
     row["half_width"] = widest_half_width(row)
@@ -259,7 +380,9 @@ def _run_point(srv: Server, bench: Benchmark, variant: str, w: Workload, c: int,
     return row
 
 
-def search_goodput(srv: Server, bench: Benchmark, rows: list[dict], data: dict, tokenizer: str, out: Path, client: BenchClient) -> dict:
+def search_goodput(
+    srv: Server, bench: Benchmark, rows: list[dict], data: dict, tokenizer: str, out: Path, client: BenchClient
+) -> dict:
     """`benchmark.goodput_search`: the highest concurrency up to its bound at which the SLO holds on the first workload,
     bisecting from the sweep's points; each probe is a run like a sweep point's, its row under `rows` (raw in raw/search/)."""
     from .choose import highest_within_slo
@@ -270,15 +393,24 @@ def search_goodput(srv: Server, bench: Benchmark, rows: list[dict], data: dict, 
 
     def probe(c: int) -> bool:
         reset_prefix_cache(srv)
-        row = _run_point(srv, bench, "search", w, c, bench.seed, data, tokenizer, out, slo_goodput_args(bench.slo), None, client)
+        row = _run_point(
+            srv, bench, "search", w, c, bench.seed, data, tokenizer, out, slo_goodput_args(bench.slo), None, client
+        )
         probes[c] = row
         return bool(row["slo_met"])
 
     found, probed = highest_within_slo(probe, known, bench.goodput_search)
     at = probes.get(found) or next((r for r in rows if r["workload"] == w.name and r["concurrency"] == found), None)
-    return {"workload": w.name, "bound": bench.goodput_search, "concurrency": found, "goodput": (at or {}).get("goodput") if found else 0.0,
-            "goodput_ci95": ((at or {}).get("ci95") or {}).get("goodput"), "from_sweep": sorted(known), "probed": probed,
-            "rows": [probes[c] for c in probed]}
+    return {
+        "workload": w.name,
+        "bound": bench.goodput_search,
+        "concurrency": found,
+        "goodput": (at or {}).get("goodput") if found else 0.0,
+        "goodput_ci95": ((at or {}).get("ci95") or {}).get("goodput"),
+        "from_sweep": sorted(known),
+        "probed": probed,
+        "rows": [probes[c] for c in probed],
+    }
 
 
 def _set_aside(out: Path, raw: str) -> str:
@@ -325,14 +457,35 @@ def _loaded_weights_gib(log_text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
-def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served_model_name: str, plat: dict, workloads, data,
-                  tokenizer: str, out: Path, vocab: int, extra_args: list[str] = (), lora_names: list[str] | None = None, *,
-                  client: BenchClient, on_ready=None) -> dict:
+def serve_variant(
+    name: str,
+    model: Path,
+    engine: dict,
+    bench: Benchmark,
+    served_model_name: str,
+    plat: dict,
+    workloads,
+    data,
+    tokenizer: str,
+    out: Path,
+    vocab: int,
+    extra_args: list[str] = (),
+    lora_names: list[str] | None = None,
+    *,
+    client: BenchClient,
+    on_ready=None,
+) -> dict:
     """Start a server with `engine`, warm it up and measure it (runs from `client`); never leaves it running.
     `on_ready(server)` (a joint job's evaluation) runs once it is healthy, before the warm-up and a prefix-cache reset."""
     info: dict = {"engine": engine, "servable": True, "reason": None, "log": f"logs/server-{name}.log"}
-    srv = Server(model, [*engine_flags(engine), *extra_args], log_path=out / info["log"], served_model_name=served_model_name,
-                 env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)}, gpu=plat.get("platform") == "cuda")
+    srv = Server(
+        model,
+        [*engine_flags(engine), *extra_args],
+        log_path=out / info["log"],
+        served_model_name=served_model_name,
+        env={"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOG_STATS_INTERVAL": str(STATS_INTERVAL_S)},
+        gpu=plat.get("platform") == "cuda",
+    )
     try:
         with srv:
             info["server_start_s"], info["port"] = srv.start_s, srv.port
@@ -344,13 +497,24 @@ def serve_variant(name: str, model: Path, engine: dict, bench: Benchmark, served
                 info["shared_s"] = round(time.perf_counter() - t0, 2)
                 reset_prefix_cache(srv)
             with measuring() as info["gate"]:  # a shared GPU: the warm-up and the runs have it to themselves
-                warm_up(srv, workloads[0], vocab, [srv.served_model_name] if not lora_names else lora_names, bench.seed,
-                        engine.get("max_model_len"), batch=max(bench.concurrency) if lora_names else 1)
+                warm_up(
+                    srv,
+                    workloads[0],
+                    vocab,
+                    [srv.served_model_name] if not lora_names else lora_names,
+                    bench.seed,
+                    engine.get("max_model_len"),
+                    batch=max(bench.concurrency) if lora_names else 1,
+                )
                 rows, totals = measure(srv, bench, name, workloads, data, tokenizer, out, lora_names, client)
                 info["rows"] = rows
                 if bench.goodput_search and name == "default":
                     info["goodput_search"] = search_goodput(srv, bench, rows, data, tokenizer, out, client)
-            info["memory"] = {**totals, "weights_gib": weights_gib(model), "weights_loaded_gib": _loaded_weights_gib(srv.log_text())}
+            info["memory"] = {
+                **totals,
+                "weights_gib": weights_gib(model),
+                "weights_loaded_gib": _loaded_weights_gib(srv.log_text()),
+            }
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
         if plat.get("platform") == "cuda":
             info["memory"]["peak_gpu_gib"] = round(srv.peak_gpu_bytes / 2**30, 3)

@@ -27,9 +27,18 @@ def startup_phases(log_text: str, start_s: float | None = None) -> dict:
     out: dict = {"ready_s": round(start_s, 2) if start_s is not None else None}
     for key, patterns in _PHASES.items():
         out[key] = next((float(m.group(1)) for p in patterns for m in [re.search(p, log_text)] if m), None)
-    out["compile_cache"] = ("hit" if "Directly load the compiled graph" in log_text
-                            else "miss" if re.search(r"Compiling a graph for", log_text) else None)
-    first, engine, ready = _when(log_text, None), _when(log_text, "Initializing a V1 LLM engine"), _when(log_text, "Starting vLLM server on")
+    out["compile_cache"] = (
+        "hit"
+        if "Directly load the compiled graph" in log_text
+        else "miss"
+        if re.search(r"Compiling a graph for", log_text)
+        else None
+    )
+    first, engine, ready = (
+        _when(log_text, None),
+        _when(log_text, "Initializing a V1 LLM engine"),
+        _when(log_text, "Starting vLLM server on"),
+    )
     out["before_engine_s"] = _span(first, engine)
     out["warmup_s"] = _span(_when(log_text, "Graph capturing finished"), _when(log_text, "init engine ("))
     span = _span(first, ready)

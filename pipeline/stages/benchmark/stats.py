@@ -66,8 +66,10 @@ def intervals(raw: dict, slo=None, resamples: int = RESAMPLES, seed: int = SEED)
     mean_lat = lat[idx].mean(axis=1)
     req_rate = lat.mean() / mean_lat  # resampled throughput / measured throughput, by Little's law
     tok_rate = (out[idx].sum(axis=1) / lat[idx].sum(axis=1)) / (out.sum() / lat.sum())
-    ci = {"request_throughput": _scaled(raw.get("request_throughput"), req_rate),
-          "output_throughput": _scaled(raw.get("output_throughput"), tok_rate)}
+    ci = {
+        "request_throughput": _scaled(raw.get("request_throughput"), req_rate),
+        "output_throughput": _scaled(raw.get("output_throughput"), tok_rate),
+    }
     if slo is not None and raw.get("request_goodput") is not None:
         good = _good(req, slo)
         frac = good.mean()

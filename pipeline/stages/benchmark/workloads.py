@@ -29,7 +29,9 @@ def validation_rows(workloads: list[Workload], validation: Validation | None) ->
         return None
     if validation is None:
         bad = next(w.name for w in workloads if w.kind == "validation")
-        raise StageError(f"workload {bad!r} has kind validation but evaluation.validation is not set; add it, or use kind fixed")
+        raise StageError(
+            f"workload {bad!r} has kind validation but evaluation.validation is not set; add it, or use kind fixed"
+        )
     return read_validation(validation.path)
 
 
@@ -46,8 +48,12 @@ def read_validation(path: str) -> list[dict]:
         try:
             row = json.loads(line)
         except ValueError:
-            raise StageError(f"{p}:{i}: not valid JSON; each line must be a JSON object with `prompt` (or `messages`)") from None
-        if not isinstance(row, dict) or not (isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)):
+            raise StageError(
+                f"{p}:{i}: not valid JSON; each line must be a JSON object with `prompt` (or `messages`)"
+            ) from None
+        if not isinstance(row, dict) or not (
+            isinstance(row.get("prompt"), str) or isinstance(row.get("messages"), list)
+        ):
             raise StageError(f"{p}:{i}: expected a JSON object with `prompt` (text) or `messages` (chat turns)")
         rows.append(row)
     if not rows:
@@ -63,7 +69,9 @@ def validation_dataset(w: Workload, rows: list[dict], tok, max_model_len: int | 
     for row in rows:
         if "messages" in row:
             if not getattr(tok, "chat_template", None):
-                raise StageError("a validation row has chat `messages` but the tokenizer has no chat template; give `prompt` instead")
+                raise StageError(
+                    "a validation row has chat `messages` but the tokenizer has no chat template; give `prompt` instead"
+                )
             text = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
         else:
             text = row["prompt"]
@@ -77,28 +85,55 @@ def validation_dataset(w: Workload, rows: list[dict], tok, max_model_len: int | 
             continue
         items.append({"prompt": text, "output_tokens": n_out, "_in": n_in})
     if not items:
-        raise StageError(f"workload {w.name!r}: every validation prompt is longer than max_model_len {max_model_len}; raise benchmark.engine.max_model_len")
+        raise StageError(
+            f"workload {w.name!r}: every validation prompt is longer than max_model_len {max_model_len}; raise benchmark.engine.max_model_len"
+        )
     chosen = [items[i % len(items)] for i in range(w.num_prompts)]
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for it in chosen:
             f.write(json.dumps({"prompt": it["prompt"], "output_tokens": it["output_tokens"]}) + "\n")
-    return {"path": str(path), "rows": len(rows), "used": len(items), "dropped_too_long": dropped,
-            "input_tokens_max": max(it["_in"] for it in items), "input_tokens_mean": round(statistics.mean(it["_in"] for it in items), 1),
-            "output_tokens_mean": round(statistics.mean(it["output_tokens"] for it in items), 1)}
+    return {
+        "path": str(path),
+        "rows": len(rows),
+        "used": len(items),
+        "dropped_too_long": dropped,
+        "input_tokens_max": max(it["_in"] for it in items),
+        "input_tokens_mean": round(statistics.mean(it["_in"] for it in items), 1),
+        "output_tokens_mean": round(statistics.mean(it["output_tokens"] for it in items), 1),
+    }
 
 
 def dataset_args(w: Workload, data: dict | None) -> list[str]:
     if w.kind == "validation":
-        return ["--dataset-name", "custom", "--dataset-path", data["path"], "--custom-output-len", "-1",
-                "--skip-chat-template", "--disable-shuffle"]
+        return [
+            "--dataset-name",
+            "custom",
+            "--dataset-path",
+            data["path"],
+            "--custom-output-len",
+            "-1",
+            "--skip-chat-template",
+            "--disable-shuffle",
+        ]
     prefix = w.prefix_len if w.kind == "shared_prefix" else 0
-    return ["--dataset-name", "random", "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len),
-            "--random-range-ratio", "0.0", "--random-prefix-len", str(prefix)]
+    return [
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        str(w.input_len),
+        "--random-output-len",
+        str(w.output_len),
+        "--random-range-ratio",
+        "0.0",
+        "--random-prefix-len",
+        str(prefix),
+    ]
 
 
-def workload_data(workloads: list[Workload], val_rows: list[dict] | None, variants: list[tuple[str, Engine]], tok,
-                  out: Path) -> tuple[dict, int, list[dict]]:
+def workload_data(
+    workloads: list[Workload], val_rows: list[dict] | None, variants: list[tuple[str, Engine]], tok, out: Path
+) -> tuple[dict, int, list[dict]]:
     """(data of the validation workloads by name, longest sequence any workload sends, the workloads as measured);
     refuses a workload longer than a variant's max_model_len."""
     data: dict = {}
@@ -115,6 +150,8 @@ def workload_data(workloads: list[Workload], val_rows: list[dict] | None, varian
     for vname, e in variants:
         if e.max_model_len and any(w.kind != "validation" and workload_tokens(w) > e.max_model_len for w in workloads):
             w = next(w for w in workloads if w.kind != "validation" and workload_tokens(w) > e.max_model_len)
-            raise StageError(f"workload {w.name!r} needs {workload_tokens(w)} tokens per sequence but variant {vname!r} has "
-                             f"max_model_len {e.max_model_len}; shorten the workload or raise max_model_len")
+            raise StageError(
+                f"workload {w.name!r} needs {workload_tokens(w)} tokens per sequence but variant {vname!r} has "
+                f"max_model_len {e.max_model_len}; shorten the workload or raise max_model_len"
+            )
     return data, need, described

@@ -31,8 +31,18 @@ from .vllm import VLLM_LOGPROBS, kl_topk
 if TYPE_CHECKING:
     from ..contract import EvaluateInput, Upstream
 
-__all__ = ["run", "load_validation", "load_documents", "score_output", "schema_errors", "compare", "kl_topk", "METRICS", "BOOTSTRAP_SEED",
-           "VLLM_LOGPROBS"]
+__all__ = [
+    "run",
+    "load_validation",
+    "load_documents",
+    "score_output",
+    "schema_errors",
+    "compare",
+    "kl_topk",
+    "METRICS",
+    "BOOTSTRAP_SEED",
+    "VLLM_LOGPROBS",
+]
 
 PROBE = "Hello world! 12 + 30 = 42.\nThe end."  # tokenized by baseline and artifact: must give the same ids
 
@@ -44,13 +54,17 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream],
     `upstream["baseline_eval"].out` (the baseline's evaluate output); the baseline's gets {}. `server`: a
     quantpipe.server.Server already serving `src` (the benchmark's, in a joint job) for backend vllm."""
     if inp.lm_eval is None and inp.validation is None and inp.fidelity is None:
-        raise StageError("evaluation has none of `lm_eval`, `validation` and `fidelity`; add one of them or drop the evaluate stage")
+        raise StageError(
+            "evaluation has none of `lm_eval`, `validation` and `fidelity`; add one of them or drop the evaluate stage"
+        )
     is_artifact = inp.artifact != "baseline"
     baseline_model = baseline_eval = None
     if is_artifact:
         missing = [role for role in ("baseline_model", "baseline_eval") if role not in upstream]
         if missing:
-            raise StageError(f"artifact {inp.artifact!r} needs upstream {' and '.join(missing)} to compare against (the runner passes both)")
+            raise StageError(
+                f"artifact {inp.artifact!r} needs upstream {' and '.join(missing)} to compare against (the runner passes both)"
+            )
         baseline_model, baseline_eval = Path(upstream["baseline_model"].out), Path(upstream["baseline_eval"].out)
     if inp.backend == "vllm":
         import importlib.util
@@ -68,9 +82,11 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream],
 
             missing = [m for m in ("aiohttp", "tenacity", "requests") if importlib.util.find_spec(m) is None]
             if missing:
-                raise StageError(f"evaluation.lm_eval.backend: vllm evaluates through lm-eval's local-completions model, which needs "
-                                 f"{', '.join(missing)} (lm-eval[api]) in {sys.executable}; rebuild the serve environment from its lock "
-                                 "(scripts/setup_envs.sh serve)")
+                raise StageError(
+                    f"evaluation.lm_eval.backend: vllm evaluates through lm-eval's local-completions model, which needs "
+                    f"{', '.join(missing)} (lm-eval[api]) in {sys.executable}; rebuild the serve environment from its lock "
+                    "(scripts/setup_envs.sh serve)"
+                )
     src, out = Path(src), Path(out)
     v = inp.validation
     rows = load_validation(v.path, v.metric, v.json_schema) if v else None
@@ -91,17 +107,28 @@ def run(inp: EvaluateInput, src: Path, out: Path, upstream: dict[str, Upstream],
     if inp.backend == "vllm":  # one server for lm-eval, the validation set and the fidelity logprobs
         from .vllm import run_vllm
 
-        lm_metrics, validation, fidelity = run_vllm(inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra, server)
+        lm_metrics, validation, fidelity = run_vllm(
+            inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra, server
+        )
     else:
         from .hf import run_hf
 
-        lm_metrics, validation, fidelity = run_hf(inp, src, out, tok, rows, settings, baseline_model, baseline_eval, scores, timings)
+        lm_metrics, validation, fidelity = run_hf(
+            inp, src, out, tok, rows, settings, baseline_model, baseline_eval, scores, timings
+        )
 
     comparison = compare_all(base, scores, lm_metrics, validation, inp.bootstrap_samples) if is_artifact else None
     (out / "per_example.json").write_text(json.dumps(scores.to_json()))
     metrics = {
-        "artifact": inp.artifact, "method": inp.method, "settings": settings, "lm_eval": lm_metrics,
-        "validation": validation, "fidelity": fidelity, "comparison": comparison, "timings": timings, **extra,
+        "artifact": inp.artifact,
+        "method": inp.method,
+        "settings": settings,
+        "lm_eval": lm_metrics,
+        "validation": validation,
+        "fidelity": fidelity,
+        "comparison": comparison,
+        "timings": timings,
+        **extra,
     }
     (out / "evaluation.json").write_text(json.dumps(metrics, indent=2))
     return metrics
@@ -113,7 +140,9 @@ def _tokenizer(src: Path, trust_remote_code: bool):
     try:
         return AutoTokenizer.from_pretrained(str(src), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise StageError(f"{src}: no usable tokenizer ({str(e)[:200]}); the model directory must hold its tokenizer files") from None
+        raise StageError(
+            f"{src}: no usable tokenizer ({str(e)[:200]}); the model directory must hold its tokenizer files"
+        ) from None
 
 
 def _settings(inp: EvaluateInput, tok, device: str) -> dict:
@@ -131,27 +160,47 @@ def _settings(inp: EvaluateInput, tok, device: str) -> dict:
         )
     chat = getattr(tok, "chat_template", None)
     s = {
-        "backend": inp.backend, "backend_requested": le.backend if le else None, "device": device,
-        "tasks": list(le.tasks) if le else [], "num_fewshot": le.num_fewshot if le else None,
-        "limit": le.limit if le else None, "batch_size": le.batch_size if le else None,
+        "backend": inp.backend,
+        "backend_requested": le.backend if le else None,
+        "device": device,
+        "tasks": list(le.tasks) if le else [],
+        "num_fewshot": le.num_fewshot if le else None,
+        "limit": le.limit if le else None,
+        "batch_size": le.batch_size if le else None,
         "apply_chat_template": le.apply_chat_template if le else False,
-        "fewshot_as_multiturn": bool(le and le.apply_chat_template), "seed": le.seed if le else None,
-        "include_path": le.include_path if le else None, "model_dtype": inp.base.dtype,
+        "fewshot_as_multiturn": bool(le and le.apply_chat_template),
+        "seed": le.seed if le else None,
+        "include_path": le.include_path if le else None,
+        "model_dtype": inp.base.dtype,
         # hf computes in float32 on a CPU without fast kernels for the model's half dtype (common/compute.py)
-        "dtype": compute_dtype(inp.base.dtype, device) if inp.backend == "hf" else inp.base.dtype, "add_bos": add_bos,
-        "add_bos_source": "tokenizer" if inp.add_bos is None else "recipe", "tokenizer_adds_bos": tokenizer_adds_bos,
+        "dtype": compute_dtype(inp.base.dtype, device) if inp.backend == "hf" else inp.base.dtype,
+        "add_bos": add_bos,
+        "add_bos_source": "tokenizer" if inp.add_bos is None else "recipe",
+        "tokenizer_adds_bos": tokenizer_adds_bos,
         "tokenizer": {
-            "bos_token": tok.bos_token, "eos_token": tok.eos_token, "pad_token": tok.pad_token,
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": tok.pad_token,
             "probe_ids_sha256": hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:16],
             "chat_template_sha256": hashlib.sha256(chat.encode()).hexdigest()[:16] if isinstance(chat, str) else None,
         },
-        "validation": None, "bootstrap_samples": inp.bootstrap_samples, "bootstrap_seed": BOOTSTRAP_SEED,
+        "validation": None,
+        "bootstrap_samples": inp.bootstrap_samples,
+        "bootstrap_seed": BOOTSTRAP_SEED,
         "fidelity": fidelity_settings(inp) if inp.fidelity or inp.validation else None,
     }
     if inp.validation:
         v = inp.validation
-        s["validation"] = {"metric": v.metric, "max_new_tokens": v.max_new_tokens, "stop": list(v.stop), "decoding": "greedy", "batch_size": le.batch_size if le else 8, "padding": "left", "json_schema": v.json_schema,
-                           "fidelity_reference": "prompt + (' ' if neither side has whitespace at the join) + reference; loss on reference tokens"}
+        s["validation"] = {
+            "metric": v.metric,
+            "max_new_tokens": v.max_new_tokens,
+            "stop": list(v.stop),
+            "decoding": "greedy",
+            "batch_size": le.batch_size if le else 8,
+            "padding": "left",
+            "json_schema": v.json_schema,
+            "fidelity_reference": "prompt + (' ' if neither side has whitespace at the join) + reference; loss on reference tokens",
+        }
         if inp.backend == "vllm":  # one generate call, vLLM schedules the batches
             s["validation"].update(batch_size=None, padding=None)
     if s["fidelity"] and inp.backend == "vllm":  # KL from prompt logprobs (see vllm.fidelity_topk)
@@ -165,7 +214,9 @@ def _read_baseline(baseline_eval: Path, settings: dict) -> dict:
         base = json.loads((baseline_eval / "evaluation.json").read_text())
         pe = json.loads((baseline_eval / "per_example.json").read_text())
     except (OSError, ValueError) as e:
-        raise StageError(f"baseline_eval {baseline_eval}: no readable baseline evaluation ({e}); re-run the evaluate:baseline stage") from None
+        raise StageError(
+            f"baseline_eval {baseline_eval}: no readable baseline evaluation ({e}); re-run the evaluate:baseline stage"
+        ) from None
     diff = _differences(base.get("settings", {}), settings)
     if diff:
         detail = "; ".join(f"{k}: baseline {b!r}, artifact {a!r}" for k, b, a in diff)
@@ -174,7 +225,9 @@ def _read_baseline(baseline_eval: Path, settings: dict) -> dict:
             if any(k.startswith("tokenizer.") or k == "add_bos" for k, _, _ in diff)
             else "re-run the baseline with the same recipe (--force evaluate)"
         )
-        raise StageError(f"the artifact would be evaluated with other settings than the baseline ({detail}); a fair comparison needs them equal: {hint}")
+        raise StageError(
+            f"the artifact would be evaluated with other settings than the baseline ({detail}); a fair comparison needs them equal: {hint}"
+        )
     return {**base, "per_example": pe}
 
 

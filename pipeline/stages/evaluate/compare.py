@@ -28,7 +28,13 @@ class Scores:
         return {"scores": self.per_example, "ids": self.ids, "higher_is_better": self.higher}
 
 
-def compare(baseline: list[float], artifact: list[float], samples: int, higher_is_better: bool = True, seed: int = BOOTSTRAP_SEED) -> dict:
+def compare(
+    baseline: list[float],
+    artifact: list[float],
+    samples: int,
+    higher_is_better: bool = True,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict:
     """Recovery (artifact/baseline; baseline/artifact when lower is better) with a paired bootstrap 95% CI."""
     import numpy as np
 
@@ -56,12 +62,18 @@ def compare(baseline: list[float], artifact: list[float], samples: int, higher_i
             ci = [float(np.percentile(r, 2.5)), float(np.percentile(r, 97.5))]
     binary = bool(np.isin(b, (0.0, 1.0)).all() and np.isin(a, (0.0, 1.0)).all())
     return {
-        "baseline": mb, "artifact": ma, "recovery": recovery, "ci95": ci,
-        "flip_rate": float((b != a).mean()) if binary else None, "n": n,
+        "baseline": mb,
+        "artifact": ma,
+        "recovery": recovery,
+        "ci95": ci,
+        "flip_rate": float((b != a).mean()) if binary else None,
+        "n": n,
     }
 
 
-def compare_all(base: dict, scores: Scores, lm_metrics: dict | None, validation: dict | None, samples: int) -> list[dict]:
+def compare_all(
+    base: dict, scores: Scores, lm_metrics: dict | None, validation: dict | None, samples: int
+) -> list[dict]:
     """Paired comparison per task and metric (per-example where scores are per-example means, else aggregate only);
     `base` is the baseline's evaluation.json with its per_example.json under `per_example`."""
     bpe = base["per_example"]
@@ -80,18 +92,38 @@ def compare_all(base: dict, scores: Scores, lm_metrics: dict | None, validation:
                 continue
             key = f"{task}/{name}"
             bval = (base.get("lm_eval") or {}).get(task, {}).get(name)
-            if key in per_example and key in bpe["scores"] and _is_mean(per_example[key], value) and _is_mean(bpe["scores"][key], bval):
+            if (
+                key in per_example
+                and key in bpe["scores"]
+                and _is_mean(per_example[key], value)
+                and _is_mean(bpe["scores"][key], bval)
+            ):
                 c = compare(bpe["scores"][key], per_example[key], samples, higher.get(key, True))
             else:
                 hib = higher.get(key, True)
                 num, den = (value, bval) if hib else (bval, value)
-                c = {"baseline": bval, "artifact": value, "recovery": (num / den if bval is not None and den else None), "ci95": None, "flip_rate": None, "n": None}
+                c = {
+                    "baseline": bval,
+                    "artifact": value,
+                    "recovery": (num / den if bval is not None and den else None),
+                    "ci95": None,
+                    "flip_rate": None,
+                    "n": None,
+                }
             rows.append({"task": task, "metric": name, **c})
     if validation is not None:
         key = f"validation/{validation['metric']}"
         if key not in bpe["scores"]:
-            raise StageError("the baseline has no validation scores for this metric; re-run evaluate:baseline (--force evaluate)")
-        rows.append({"task": "validation", "metric": validation["metric"], **compare(bpe["scores"][key], per_example[key], samples, True)})
+            raise StageError(
+                "the baseline has no validation scores for this metric; re-run evaluate:baseline (--force evaluate)"
+            )
+        rows.append(
+            {
+                "task": "validation",
+                "metric": validation["metric"],
+                **compare(bpe["scores"][key], per_example[key], samples, True),
+            }
+        )
     return rows
 
 

@@ -26,7 +26,9 @@ def load_documents(path: str | Path) -> list[str]:
     """The documents' texts; a bad line raises StageError naming file:line."""
     p = Path(path)
     if not p.is_file():
-        raise StageError(f"evaluation.fidelity.path: {p} does not exist; point it at a JSONL file of held-out documents, one {{\"text\": ...}} per line")
+        raise StageError(
+            f'evaluation.fidelity.path: {p} does not exist; point it at a JSONL file of held-out documents, one {{"text": ...}} per line'
+        )
     docs = []
     with open(p, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -35,9 +37,13 @@ def load_documents(path: str | Path) -> list[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise StageError(f"{p}:{line_no}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
+                raise StageError(
+                    f"{p}:{line_no}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                ) from None
             if not (isinstance(row, dict) and isinstance(row.get("text"), str) and row["text"].strip()):
-                raise StageError(f"{p}:{line_no}: expected a JSON object with a non-empty string `text` (one held-out document per line)")
+                raise StageError(
+                    f"{p}:{line_no}: expected a JSON object with a non-empty string `text` (one held-out document per line)"
+                )
             docs.append(row["text"])
     if not docs:
         raise StageError(f"{p}: no documents; add JSON lines with `text`")
@@ -59,7 +65,7 @@ def document_windows(tok, docs: list[str], add_bos: bool, seq_len: int, max_toke
             f"evaluation.fidelity: the documents give {len(stream)} tokens, fewer than two windows of seq_len {seq_len} (the intervals "
             "resample windows); add documents or lower seq_len"
         )
-    return [(stream[i * seq_len:(i + 1) * seq_len], 1) for i in range(n)]
+    return [(stream[i * seq_len : (i + 1) * seq_len], 1) for i in range(n)]
 
 
 def validation_sequences(tok, rows: list[dict], add_bos: bool) -> list[tuple[list[int], int]]:
@@ -95,8 +101,13 @@ def settings(inp) -> dict:
     f = inp.fidelity
     if f is None:
         return {"source": "validation", "scored": "the reference tokens of each validation row, after its prompt"}
-    return {"source": "documents", "documents_sha256": sha256_file(Path(f.path))[:16], "seq_len": f.seq_len, "max_tokens": f.max_tokens,
-            "scored": "every position after a window's first"}
+    return {
+        "source": "documents",
+        "documents_sha256": sha256_file(Path(f.path))[:16],
+        "seq_len": f.seq_len,
+        "max_tokens": f.max_tokens,
+        "scored": "every position after a window's first",
+    }
 
 
 def summarize(stats: list[dict], samples: int, source: str, unit: str, seed: int = BOOTSTRAP_SEED) -> dict | None:
@@ -111,8 +122,12 @@ def summarize(stats: list[dict], samples: int, source: str, unit: str, seed: int
 
     def figures(t):  # t[..., :] = summed columns of x
         n = t[..., 4]
-        return {"kl_mean": t[..., 0] / n, "top1_agreement": t[..., 1] / n, "ppl": np.exp(t[..., 2] / n),
-                "ppl_ratio": np.exp((t[..., 2] - t[..., 3]) / n)}
+        return {
+            "kl_mean": t[..., 0] / n,
+            "top1_agreement": t[..., 1] / n,
+            "ppl": np.exp(t[..., 2] / n),
+            "ppl_ratio": np.exp((t[..., 2] - t[..., 3]) / n),
+        }
 
     total = x.sum(axis=0)
     out: dict = {k: float(v) for k, v in figures(total).items()}
@@ -127,8 +142,10 @@ def summarize(stats: list[dict], samples: int, source: str, unit: str, seed: int
             lo, hi = np.percentile(boot[k], [2.5, 97.5])
             out[f"{k}_ci95"] = [float(lo), float(hi)]
         what = "windows" if source == "documents" else "rows"
-        method = (f"bootstrap over {w} {unit} ({samples} resamples, seed {seed}); {what}, not tokens, are resampled because "
-                  f"the tokens within one are correlated")
+        method = (
+            f"bootstrap over {w} {unit} ({samples} resamples, seed {seed}); {what}, not tokens, are resampled because "
+            f"the tokens within one are correlated"
+        )
     else:
         out |= {f"{k}_ci95": None for k in FIGURES}
         method = f"none: one sequence ({unit}), nothing to resample"

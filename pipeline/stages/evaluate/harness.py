@@ -48,7 +48,12 @@ def run_lm_eval(le, model_args: dict, out: Path, settings: dict, scores: Scores,
     if unknown:
         import difflib
 
-        hints = [f"{t!r} (did you mean {', '.join(repr(m) for m in difflib.get_close_matches(t, tm.all_tasks, 3))}?)" if difflib.get_close_matches(t, tm.all_tasks, 3) else repr(t) for t in unknown]
+        hints = [
+            f"{t!r} (did you mean {', '.join(repr(m) for m in difflib.get_close_matches(t, tm.all_tasks, 3))}?)"
+            if difflib.get_close_matches(t, tm.all_tasks, 3)
+            else repr(t)
+            for t in unknown
+        ]
         raise StageError(
             f"evaluation.lm_eval.tasks: unknown task {', '.join(hints)}; offline, tasks come from YAML files in "
             f"evaluation.lm_eval.include_path ({le.include_path or 'not set'})"
@@ -57,10 +62,22 @@ def run_lm_eval(le, model_args: dict, out: Path, settings: dict, scores: Scores,
     tracker_dir = out / ".lm_eval"
     tracker = EvaluationTracker(output_path=str(tracker_dir))
     results = simple_evaluate(
-        model="hf" if lm is None else lm, model_args=model_args, tasks=list(le.tasks), num_fewshot=le.num_fewshot,
-        batch_size=le.batch_size, device=settings["device"], limit=le.limit, log_samples=True, evaluation_tracker=tracker,
-        apply_chat_template=le.apply_chat_template, fewshot_as_multiturn=settings["fewshot_as_multiturn"], task_manager=tm,
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+        model="hf" if lm is None else lm,
+        model_args=model_args,
+        tasks=list(le.tasks),
+        num_fewshot=le.num_fewshot,
+        batch_size=le.batch_size,
+        device=settings["device"],
+        limit=le.limit,
+        log_samples=True,
+        evaluation_tracker=tracker,
+        apply_chat_template=le.apply_chat_template,
+        fewshot_as_multiturn=settings["fewshot_as_multiturn"],
+        task_manager=tm,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
     )
     samples = results.pop("samples", {})
     metrics: dict[str, dict] = {}

@@ -23,20 +23,34 @@ from .validation import encode_prompt, output_text, score_validation
 log = logging.getLogger(__name__)
 
 
-def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: dict, baseline_model: Path | None,
-           baseline_eval: Path | None, scores: Scores, timings: dict) -> tuple[dict | None, dict | None, dict | None]:
+def run_hf(
+    inp,
+    src: Path,
+    out: Path,
+    tok,
+    rows: list[dict] | None,
+    settings: dict,
+    baseline_model: Path | None,
+    baseline_eval: Path | None,
+    scores: Scores,
+    timings: dict,
+) -> tuple[dict | None, dict | None, dict | None]:
     """(lm-eval metrics, validation, fidelity) of the model in `src`; fidelity only for an artifact (`baseline_model` given),
     the baseline keeps the hidden states its artifacts' fidelity needs."""
     lm_metrics = validation = fidelity = None
     if inp.lm_eval:
         t0 = time.perf_counter()
-        lm_metrics = run_lm_eval(inp.lm_eval, hf_model_args(src, settings, inp.base.trust_remote_code), out, settings, scores)
+        lm_metrics = run_lm_eval(
+            inp.lm_eval, hf_model_args(src, settings, inp.base.trust_remote_code), out, settings, scores
+        )
         timings["lm_eval_s"] = round(time.perf_counter() - t0, 2)
         free()  # lm-eval's model copy, before the next one loads
         log.info("%s: lm-eval %s in %.1fs", inp.artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
     fidelity_seqs = None
     if inp.fidelity is not None or rows is not None:
-        fidelity_seqs = sequences(inp, tok, rows, settings["add_bos"])  # before any model loads: a short text fails fast
+        fidelity_seqs = sequences(
+            inp, tok, rows, settings["add_bos"]
+        )  # before any model loads: a short text fails fast
     if rows is None and fidelity_seqs is None:
         return lm_metrics, validation, fidelity
     model = load_model(src, settings["dtype"], inp.base.trust_remote_code, settings["device"])
@@ -54,14 +68,25 @@ def run_hf(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: di
     elif fidelity_seqs is not None:
         t0 = time.perf_counter()
         kept = load_reference(Path(baseline_eval) / REFERENCE, fidelity_seqs) if baseline_eval else None
-        head = load_head(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"], kept) if kept else None
-        ref = head if head is not None else load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
+        head = (
+            load_head(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"], kept)
+            if kept
+            else None
+        )
+        ref = (
+            head
+            if head is not None
+            else load_model(baseline_model, settings["dtype"], inp.base.trust_remote_code, settings["device"])
+        )
         hidden = kept.states if kept else None
         fidelity = summarize(fidelity_full(ref, model, fidelity_seqs, hidden), inp.bootstrap_samples, *source(inp))
         if fidelity is not None:
             fidelity["kl_support"] = "full vocabulary"
-            fidelity["baseline_logits"] = ("baseline forward pass" if not kept else "from the baseline stage's hidden states"
-                                           + (" and its output layer alone" if head else ""))
+            fidelity["baseline_logits"] = (
+                "baseline forward pass"
+                if not kept
+                else "from the baseline stage's hidden states" + (" and its output layer alone" if head else "")
+            )
         timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
         del ref
         log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
@@ -86,7 +111,9 @@ def load_model(path: Path, dtype: str, trust_remote_code: bool, device: str):
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise StageError(f"{path}: cannot load the model with transformers ({str(e)[:300]})") from None
     return model.to(device).eval()
@@ -103,13 +130,21 @@ def generate(model, tok, rows: list[dict], cfg, settings: dict) -> list[str]:
     texts: list[str] = [""] * len(rows)
     with torch.inference_mode():
         for start in range(0, len(order), bs):
-            batch = order[start:start + bs]
+            batch = order[start : start + bs]
             width = max(len(prompts[i]) for i in batch)
             x = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch], device=model.device)
-            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=model.device)
+            mask = torch.tensor(
+                [[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch], device=model.device
+            )
             gen = model.generate(
-                x, attention_mask=mask, max_new_tokens=cfg.max_new_tokens, do_sample=False,
-                temperature=None, top_p=None, top_k=None, pad_token_id=pad,
+                x,
+                attention_mask=mask,
+                max_new_tokens=cfg.max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad,
             )
             for j, i in enumerate(batch):
                 texts[i] = output_text(tok, gen[j, width:], cfg.stop)
@@ -123,7 +158,13 @@ def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: l
     import torch
 
     out = []
-    head = None if hidden is None else ref_model if isinstance(ref_model, torch.nn.Linear) else ref_model.get_output_embeddings()
+    head = (
+        None
+        if hidden is None
+        else ref_model
+        if isinstance(ref_model, torch.nn.Linear)
+        else ref_model.get_output_embeddings()
+    )
     with torch.inference_mode():
         for i, (ids, start) in enumerate(seqs):
             x = torch.tensor([ids], device=model.device)
@@ -132,8 +173,15 @@ def fidelity_full(ref_model, model, seqs: list[tuple[list[int], int]], hidden: l
             lb = torch.log_softmax(ref_logits[0, sl].float(), dim=-1)
             la = torch.log_softmax(model(x).logits[0, sl].float(), dim=-1)
             target = torch.tensor(ids[start:], device=model.device)[:, None]
-            out.append({"kl": float((lb.exp() * (lb - la)).sum(dim=-1).clamp_min(0).sum()), "agree": int((lb.argmax(-1) == la.argmax(-1)).sum()),
-                        "nll": -float(la.gather(1, target).sum()), "nll_baseline": -float(lb.gather(1, target).sum()), "n": len(ids) - start})
+            out.append(
+                {
+                    "kl": float((lb.exp() * (lb - la)).sum(dim=-1).clamp_min(0).sum()),
+                    "agree": int((lb.argmax(-1) == la.argmax(-1)).sum()),
+                    "nll": -float(la.gather(1, target).sum()),
+                    "nll_baseline": -float(lb.gather(1, target).sum()),
+                    "n": len(ids) - start,
+                }
+            )
     return out
 
 
@@ -174,7 +222,9 @@ def save_reference(model, seqs: list[tuple[list[int], int]], path: Path) -> None
                 h = captured.pop()
                 if i == 0:
                     if not torch.equal(head(h), logits):
-                        log.info("the baseline's logits are not its output layer's alone: artifacts run the baseline's forward pass")
+                        log.info(
+                            "the baseline's logits are not its output layer's alone: artifacts run the baseline's forward pass"
+                        )
                         return
                     digest = logits_digest(logits)
                 tensors[str(i)] = h.cpu().contiguous()
@@ -209,7 +259,9 @@ def load_head(path: Path, dtype: str, trust_remote_code: bool, device: str, kept
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+            skeleton = AutoModelForCausalLM.from_config(
+                config, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+            )
     except (OSError, ValueError, TypeError) as e:
         log.info("the baseline's output layer alone: %s; loading the whole model", str(e)[:200])
         return None

@@ -33,9 +33,13 @@ def load_validation(path: str | Path, default_metric: str, schema_path: str | No
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise StageError(f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
+                raise StageError(
+                    f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
+                ) from None
             if not isinstance(row, dict):
-                raise StageError(f"{where}: expected a JSON object with `prompt` (or `messages`) and `reference`, got {type(row).__name__}")
+                raise StageError(
+                    f"{where}: expected a JSON object with `prompt` (or `messages`) and `reference`, got {type(row).__name__}"
+                )
             has_prompt, has_msgs = "prompt" in row, "messages" in row
             if has_prompt == has_msgs:
                 raise StageError(f"{where}: give exactly one of `prompt` (text) or `messages` (chat turns)")
@@ -43,8 +47,17 @@ def load_validation(path: str | Path, default_metric: str, schema_path: str | No
                 raise StageError(f"{where}: `prompt` must be a non-empty string")
             if has_msgs:
                 msgs = row["messages"]
-                if not (isinstance(msgs, list) and msgs and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)):
-                    raise StageError(f"{where}: `messages` must be a non-empty list of {{\"role\": ..., \"content\": ...}} objects with string values")
+                if not (
+                    isinstance(msgs, list)
+                    and msgs
+                    and all(
+                        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in msgs
+                    )
+                ):
+                    raise StageError(
+                        f'{where}: `messages` must be a non-empty list of {{"role": ..., "content": ...}} objects with string values'
+                    )
             metric = row.get("metric", default_metric)
             if metric not in METRICS:
                 raise StageError(f"{where}: unknown metric {metric!r}; use one of {', '.join(METRICS)}")
@@ -56,7 +69,9 @@ def load_validation(path: str | Path, default_metric: str, schema_path: str | No
                 try:
                     re.compile(ref)
                 except re.error as e:
-                    raise StageError(f"{where}: `reference` is not a valid regular expression ({e}); escape it or use metric contains") from None
+                    raise StageError(
+                        f"{where}: `reference` is not a valid regular expression ({e}); escape it or use metric contains"
+                    ) from None
             rows.append({**row, "metric": metric, "_where": where, "_line": line_no})
     if not rows:
         raise StageError(f"{p}: no rows; add JSON lines with `prompt` and `reference`")
@@ -111,7 +126,9 @@ def _load_schema(path: str) -> dict:
     try:
         schema = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise StageError(f"evaluation.validation.json_schema: cannot read {p} as JSON ({e}); give a JSON Schema file") from None
+        raise StageError(
+            f"evaluation.validation.json_schema: cannot read {p} as JSON ({e}); give a JSON Schema file"
+        ) from None
     if not isinstance(schema, dict):
         raise StageError(f"evaluation.validation.json_schema: {p} must hold a JSON object (a JSON Schema)")
     jsonschema = _jsonschema()
@@ -119,7 +136,9 @@ def _load_schema(path: str) -> dict:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         where = "".join(f"[{k!r}]" for k in e.path) or "the top level"
-        raise StageError(f"evaluation.validation.json_schema: {p} is not a valid JSON Schema (Draft 2020-12): {e.message} at {where}; fix it there") from None
+        raise StageError(
+            f"evaluation.validation.json_schema: {p} is not a valid JSON Schema (Draft 2020-12): {e.message} at {where}; fix it there"
+        ) from None
     from referencing import Registry
     from referencing.exceptions import Unresolvable
     from referencing.jsonschema import DRAFT202012
@@ -131,7 +150,7 @@ def _load_schema(path: str) -> dict:
     except Unresolvable as e:
         raise StageError(
             f"evaluation.validation.json_schema: {p} has a $ref that does not resolve ({e}); point it at a definition in the "
-            "same file (e.g. \"#/$defs/name\"): the schema is read offline, so other files and URLs are not fetched"
+            'same file (e.g. "#/$defs/name"): the schema is read offline, so other files and URLs are not fetched'
         ) from None
     return schema
 
@@ -149,7 +168,9 @@ def encode_prompt(tok, row: dict, add_bos: bool) -> list[int]:
     """Prompt ids: raw text with the tokenizer's own BOS rule; chat `messages` through the chat template, never a double BOS."""
     if "messages" in row:
         if not getattr(tok, "chat_template", None):
-            raise StageError(f"{row['_where']}: the row has chat `messages` but the tokenizer has no chat template; give a `prompt` instead")
+            raise StageError(
+                f"{row['_where']}: the row has chat `messages` but the tokenizer has no chat template; give a `prompt` instead"
+            )
         text = tok.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
     else:
         text = row["prompt"]
@@ -188,7 +209,19 @@ def score_validation(rows: list[dict], texts: list[str], cfg, out: Path, scores)
             score = score_output(text, row)
             per_row.append(score)
             by_metric.setdefault(row["metric"], []).append(score)
-            f.write(json.dumps({"line": row["_line"], "metric": row["metric"], "reference": row.get("reference"), "output": text, "score": score}, ensure_ascii=False) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "line": row["_line"],
+                        "metric": row["metric"],
+                        "reference": row.get("reference"),
+                        "output": text,
+                        "score": score,
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
     metric = cfg.metric if set(by_metric) == {cfg.metric} else "mixed"
     scores.per_example[f"validation/{metric}"] = per_row
     scores.ids["validation"] = [row_id(r) for r in rows]

@@ -32,8 +32,19 @@ CONCURRENT = 8  # requests in flight: enough to keep vLLM's batches full, few en
 REQUEST_TIMEOUT_S = 600
 
 
-def run_vllm(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: dict, baseline_eval: Path | None,
-             scores: Scores, timings: dict, extra: dict, server=None) -> tuple[dict | None, dict | None, dict | None]:
+def run_vllm(
+    inp,
+    src: Path,
+    out: Path,
+    tok,
+    rows: list[dict] | None,
+    settings: dict,
+    baseline_eval: Path | None,
+    scores: Scores,
+    timings: dict,
+    extra: dict,
+    server=None,
+) -> tuple[dict | None, dict | None, dict | None]:
     """lm-eval, greedy validation and prompt logprobs through `server` (a quantpipe.server.Server that is up), or
     through a server this stage starts. (lm-eval metrics, validation, fidelity); the engine and the lm_eval command go into `extra`."""
     if server is not None:
@@ -43,15 +54,23 @@ def run_vllm(inp, src: Path, out: Path, tok, rows: list[dict] | None, settings: 
     from ...server import Server, ServerDied
 
     flags, engine = own_engine(src, inp.base.trust_remote_code, inp.artifact, inp.method, settings, inp.lm_eval)
-    srv = Server(src, flags, log_path=out / "server.log", served_model_name=inp.artifact, gpu=engine["platform"]["platform"] == "cuda")
+    srv = Server(
+        src,
+        flags,
+        log_path=out / "server.log",
+        served_model_name=inp.artifact,
+        gpu=engine["platform"]["platform"] == "cuda",
+    )
     try:
         with srv:
             timings["engine_start_s"] = srv.start_s
             extra["engine"] = {**engine, "shared": False, "serve_command": serve_command(srv)}
             return _evaluate(srv, inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra)
     except ServerDied as e:
-        raise StageError(f"{inp.artifact}: the evaluation's vLLM server failed: {e.reason}; evaluate it with "
-                         f"evaluation.lm_eval.backend: hf (its log: {out / 'server.log'})") from None
+        raise StageError(
+            f"{inp.artifact}: the evaluation's vLLM server failed: {e.reason}; evaluate it with "
+            f"evaluation.lm_eval.backend: hf (its log: {out / 'server.log'})"
+        ) from None
 
 
 def serve_command(srv) -> str:
@@ -59,7 +78,9 @@ def serve_command(srv) -> str:
     return " ".join(["vllm", *srv.command()[3:]])
 
 
-def own_engine(src: Path, trust_remote_code: bool, artifact: str, method: str, settings: dict, le) -> tuple[list[str], dict]:
+def own_engine(
+    src: Path, trust_remote_code: bool, artifact: str, method: str, settings: dict, le
+) -> tuple[list[str], dict]:
     """`vllm serve` flags of the evaluation's own server, and what was decided; refused before any server starts when
     vLLM has no kernel for the checkpoint's scheme on this machine."""
     # What vLLM can run here and the CPU KV-cache size, decided as for the benchmark stage (common.vllm_support).
@@ -94,8 +115,19 @@ def own_engine(src: Path, trust_remote_code: bool, artifact: str, method: str, s
     return engine_flags(engine), {"engine": engine, "platform": plat, "scheme": scheme}
 
 
-def _evaluate(srv, inp, src: Path, out: Path, tok, rows, settings: dict, baseline_eval: Path | None, scores: Scores,
-              timings: dict, extra: dict) -> tuple[dict | None, dict | None, dict | None]:
+def _evaluate(
+    srv,
+    inp,
+    src: Path,
+    out: Path,
+    tok,
+    rows,
+    settings: dict,
+    baseline_eval: Path | None,
+    scores: Scores,
+    timings: dict,
+    extra: dict,
+) -> tuple[dict | None, dict | None, dict | None]:
     lm_metrics = validation = fidelity = None
     if inp.lm_eval is not None:
         t0 = time.perf_counter()
@@ -106,8 +138,15 @@ def _evaluate(srv, inp, src: Path, out: Path, tok, rows, settings: dict, baselin
         log.info("%s: lm-eval %s in %.1fs", inp.artifact, json.dumps(lm_metrics), timings["lm_eval_s"])
     if rows is not None:
         t0 = time.perf_counter()
-        bodies = [{"prompt": encode_prompt(tok, row, settings["add_bos"]), "max_tokens": inp.validation.max_new_tokens,
-                   "temperature": 0.0, "return_token_ids": True} for row in rows]
+        bodies = [
+            {
+                "prompt": encode_prompt(tok, row, settings["add_bos"]),
+                "max_tokens": inp.validation.max_new_tokens,
+                "temperature": 0.0,
+                "return_token_ids": True,
+            }
+            for row in rows
+        ]
         outs = _complete_all(srv, bodies)
         texts = [output_text(tok, o["choices"][0]["token_ids"], inp.validation.stop) for o in outs]
         validation = score_validation(rows, texts, inp.validation, out, scores)
@@ -122,10 +161,14 @@ def _evaluate(srv, inp, src: Path, out: Path, tok, rows, settings: dict, baselin
             try:
                 ref = json.loads((Path(baseline_eval) / "fidelity_reference.json").read_text())["sequences"]
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise StageError(f"baseline_eval {baseline_eval}: no readable fidelity_reference.json ({e!r}); re-run evaluate:baseline with backend vllm (--force evaluate)") from None
+                raise StageError(
+                    f"baseline_eval {baseline_eval}: no readable fidelity_reference.json ({e!r}); re-run evaluate:baseline with backend vllm (--force evaluate)"
+                ) from None
             fidelity = summarize(fidelity_topk(ref, mine), inp.bootstrap_samples, *source(inp))
             if fidelity is not None:
-                fidelity["kl_support"] = f"top-{VLLM_LOGPROBS} logprobs per position + one bucket for the rest (a lower bound of the full KL)"
+                fidelity["kl_support"] = (
+                    f"top-{VLLM_LOGPROBS} logprobs per position + one bucket for the rest (a lower bound of the full KL)"
+                )
             log.info("%s: fidelity vs baseline %s", inp.artifact, json.dumps(fidelity))
         timings["fidelity_s"] = round(time.perf_counter() - t0, 2)
     return lm_metrics, validation, fidelity
@@ -138,20 +181,41 @@ def api_model(srv, src: Path, le, settings: dict, trust_remote_code: bool):
     from ...common.hf_config import text_config
 
     model_args = {
-        "model": srv.served_model_name, "base_url": f"{srv.url}/v1/completions", "tokenizer": str(src), "tokenizer_backend": "huggingface",
-        "tokenized_requests": True, "add_bos_token": settings["add_bos"], "max_length": text_config(src).get("max_position_embeddings") or 2048,
-        "num_concurrent": CONCURRENT, "max_retries": 1, "timeout": REQUEST_TIMEOUT_S, "seed": le.seed,
+        "model": srv.served_model_name,
+        "base_url": f"{srv.url}/v1/completions",
+        "tokenizer": str(src),
+        "tokenizer_backend": "huggingface",
+        "tokenized_requests": True,
+        "add_bos_token": settings["add_bos"],
+        "max_length": text_config(src).get("max_position_embeddings") or 2048,
+        "num_concurrent": CONCURRENT,
+        "max_retries": 1,
+        "timeout": REQUEST_TIMEOUT_S,
+        "seed": le.seed,
     }
     if trust_remote_code:
         model_args["trust_remote_code"] = True
-    lm = LocalCompletionsAPI.create_from_arg_obj(model_args, {"batch_size": le.batch_size, "device": settings["device"]})
+    lm = LocalCompletionsAPI.create_from_arg_obj(
+        model_args, {"batch_size": le.batch_size, "device": settings["device"]}
+    )
     return lm, model_args
 
 
 def lm_eval_command(le, model_args: dict) -> str:
     """The `lm_eval` command line that gives the same lm-eval figures against the same server."""
-    cmd = ["lm_eval", "--model", "local-completions", "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()),
-           "--tasks", ",".join(le.tasks), "--batch_size", str(le.batch_size), "--seed", str(le.seed)]
+    cmd = [
+        "lm_eval",
+        "--model",
+        "local-completions",
+        "--model_args",
+        ",".join(f"{k}={v}" for k, v in model_args.items()),
+        "--tasks",
+        ",".join(le.tasks),
+        "--batch_size",
+        str(le.batch_size),
+        "--seed",
+        str(le.seed),
+    ]
     if le.num_fewshot is not None:
         cmd += ["--num_fewshot", str(le.num_fewshot)]
     if le.limit is not None:
@@ -165,16 +229,22 @@ def lm_eval_command(le, model_args: dict) -> str:
 
 def _complete_all(srv, bodies: list[dict]) -> list[dict]:
     """Each body posted to /v1/completions (CONCURRENT at a time), the responses in order."""
+
     def post(body: dict) -> dict:
-        req = urllib.request.Request(f"{srv.url}/v1/completions", data=json.dumps({"model": srv.served_model_name, **body}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{srv.url}/v1/completions",
+            data=json.dumps({"model": srv.served_model_name, **body}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:400]
-            raise StageError(f"the vLLM server refused an evaluation request of {len(body['prompt'])} tokens (HTTP {e.code}: {detail}); "
-                             "a request longer than the served max_model_len needs a larger benchmark.engine.max_model_len") from None
+            raise StageError(
+                f"the vLLM server refused an evaluation request of {len(body['prompt'])} tokens (HTTP {e.code}: {detail}); "
+                "a request longer than the served max_model_len needs a larger benchmark.engine.max_model_len"
+            ) from None
         except (urllib.error.URLError, OSError) as e:
             srv.check_alive()
             raise StageError(f"an evaluation request to the vLLM server failed ({e})") from None
@@ -185,15 +255,23 @@ def _complete_all(srv, bodies: list[dict]) -> list[dict]:
 
 def prompt_logprobs(srv, seqs: list[tuple[list[int], int]]) -> list[list[dict]]:
     """Per sequence (ids, first scored position), per scored token: its id and logprob, and the top logprobs of its position."""
-    outs = _complete_all(srv, [{"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": VLLM_LOGPROBS} for ids, _ in seqs])
+    outs = _complete_all(
+        srv, [{"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": VLLM_LOGPROBS} for ids, _ in seqs]
+    )
     result = []
     for (ids, start), o in zip(seqs, outs):
         plp = o["choices"][0]["prompt_logprobs"]
         positions = []
         for j in range(start, len(ids)):
             d = plp[j]  # the position that predicts token j: {token id: {logprob, rank, ...}}
-            top = sorted(((int(t), float(v["logprob"])) for t, v in d.items() if v.get("rank") is not None and v["rank"] <= VLLM_LOGPROBS),
-                         key=lambda x: -x[1])
+            top = sorted(
+                (
+                    (int(t), float(v["logprob"]))
+                    for t, v in d.items()
+                    if v.get("rank") is not None and v["rank"] <= VLLM_LOGPROBS
+                ),
+                key=lambda x: -x[1],
+            )
             positions.append({"target": int(ids[j]), "target_logprob": float(d[str(ids[j])]["logprob"]), "top": top})
         result.append(positions)
     return result
@@ -217,7 +295,9 @@ def fidelity_topk(base: list, mine: list) -> list[dict]:
     """Per sequence, from the vLLM prompt logprobs of both: the sums of KL(baseline || artifact) over each position's top
     logprobs (kl_topk), top-1 agreements and negative log-likelihoods of the scored tokens, with their count."""
     if len(base) != len(mine) or any([x["target"] for x in b] != [x["target"] for x in a] for b, a in zip(base, mine)):
-        raise StageError("the baseline's fidelity logprobs are for other tokens than this artifact's; re-run evaluate:baseline (--force evaluate)")
+        raise StageError(
+            "the baseline's fidelity logprobs are for other tokens than this artifact's; re-run evaluate:baseline (--force evaluate)"
+        )
     out = []
     for b_seq, a_seq in zip(base, mine):
         kl = nll_a = nll_b = 0.0

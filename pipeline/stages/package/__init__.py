@@ -26,8 +26,18 @@ from .verify import INDEX, MANIFEST, _read_json, build_manifest, verify_package
 __all__ = ["run", "parse_size", "serve_command", "verify_package"]
 
 TOKENIZER_FILES = {
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json", "vocab.txt", "merges.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
 }
 # Files of a quantized directory that belong in the package besides the weights and the tokenizer.
 # recipe.yaml is llm-compressor's record of what it applied: provenance users expect next to the weights.
@@ -42,9 +52,13 @@ def run(inp: PackageInput, src: Path, out: Path, upstream: dict[str, Upstream]) 
     artifact = inp.artifact.name
     config = _read_json(src / "config.json")
     if config is None:
-        raise StageError(f"{src} has no readable config.json; the quantize stage output is incomplete: rebuild it with `--force quantize:{artifact}`")
+        raise StageError(
+            f"{src} has no readable config.json; the quantize stage output is incomplete: rebuild it with `--force quantize:{artifact}`"
+        )
     if not config.get("quantization_config"):
-        raise StageError(f"{src}/config.json has no quantization_config: it is not a quantized checkpoint; rebuild it with `--force quantize:{artifact}`")
+        raise StageError(
+            f"{src}/config.json has no quantization_config: it is not a quantized checkpoint; rebuild it with `--force quantize:{artifact}`"
+        )
     max_shard = parse_size(inp.package.max_shard_size)
 
     weights = _write_weights(src, out, max_shard)
@@ -60,16 +74,30 @@ def run(inp: PackageInput, src: Path, out: Path, upstream: dict[str, Upstream]) 
             skipped.append(name)  # adapter files, pickle weights, caches, anything unexpected
     # The tokenizer (and generation config) may live only in the merged model: take them from there.
     for name in sorted(os.listdir(merged)) if merged.is_dir() else []:
-        if (merged / name).is_file() and not (out / name).exists() and (name in TOKENIZER_FILES or name == "generation_config.json" or name.endswith(".tiktoken")):
+        if (
+            (merged / name).is_file()
+            and not (out / name).exists()
+            and (name in TOKENIZER_FILES or name == "generation_config.json" or name.endswith(".tiktoken"))
+        ):
             shutil.copyfile(merged / name, out / name)
             copied.append(f"{name} (from the merged model)")
     tok_cfg = _read_json(out / "tokenizer_config.json") or {}
-    has_template = (out / "chat_template.jinja").is_file() or (out / "chat_template.json").is_file() or bool(tok_cfg.get("chat_template"))
-    if not any((out / t).is_file() for t in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
-        raise StageError(f"neither {src} nor the merged model {merged} holds tokenizer files; save the tokenizer next to the base model")
+    has_template = (
+        (out / "chat_template.jinja").is_file()
+        or (out / "chat_template.json").is_file()
+        or bool(tok_cfg.get("chat_template"))
+    )
+    if not any(
+        (out / t).is_file() for t in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    ):
+        raise StageError(
+            f"neither {src} nor the merged model {merged} holds tokenizer files; save the tokenizer next to the base model"
+        )
 
-    stages = {role: upstream[role] if role in upstream else None for role in
-              ("quantize", "merged", "evaluation", "baseline_eval", "benchmark", "baseline_benchmark")}
+    stages = {
+        role: upstream[role] if role in upstream else None
+        for role in ("quantize", "merged", "evaluation", "baseline_eval", "benchmark", "baseline_benchmark")
+    }
     ctx = card_context(inp, config, stages, weights)
     license_, license_source = license_of(inp)
     ctx["license"], ctx["license_source"] = license_, license_source
@@ -127,14 +155,25 @@ def _write_weights(src: Path, out: Path, max_shard: int) -> dict:
         if not (src / name).is_file():
             raise StageError(f"{src}/{INDEX} names {name}, which is missing; rebuild the quantize stage")
         headers[name] = read_header(src / name)
-    data_bytes = {n: sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in h.items() if not k.startswith("__")) for n, h in headers.items()}
+    data_bytes = {
+        n: sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in h.items() if not k.startswith("__"))
+        for n, h in headers.items()
+    }
     if all(b <= max_shard for b in data_bytes.values()):
         linked = sum(_link_or_copy(src / name, out / name) for name in files)
         if (src / INDEX).is_file():
             shutil.copyfile(src / INDEX, out / INDEX)
         elif len(files) > 1:
-            _write_index(out, {k: n for n, h in headers.items() for k in h if not k.startswith("__")}, sum(data_bytes.values()))
-        return {"resharded": False, "shards": len(files), "files": files, "largest_shard_bytes": max(data_bytes.values()), "hardlinked_shards": linked}
+            _write_index(
+                out, {k: n for n, h in headers.items() for k in h if not k.startswith("__")}, sum(data_bytes.values())
+            )
+        return {
+            "resharded": False,
+            "shards": len(files),
+            "files": files,
+            "largest_shard_bytes": max(data_bytes.values()),
+            "hardlinked_shards": linked,
+        }
     return _reshard(src, out, headers, max_shard)
 
 
@@ -185,12 +224,15 @@ def _reshard(src: Path, out: Path, headers: dict, max_shard: int) -> dict:
         del tensors
     if plan.is_sharded:
         _write_index(out, plan.tensor_to_filename, plan.metadata["total_size"])
-    return {"resharded": True, "shards": len(plan.filename_to_tensors), "files": sorted(plan.filename_to_tensors), "largest_shard_bytes": largest,
-            "hardlinked_shards": 0}
+    return {
+        "resharded": True,
+        "shards": len(plan.filename_to_tensors),
+        "files": sorted(plan.filename_to_tensors),
+        "largest_shard_bytes": largest,
+        "hardlinked_shards": 0,
+    }
 
 
 def _write_index(out: Path, weight_map: dict, total_size: int) -> None:
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-
-

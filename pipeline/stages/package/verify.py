@@ -11,13 +11,46 @@ from ..contract import PackageInput, Upstream
 MANIFEST = "manifest.json"
 INDEX = "model.safetensors.index.json"
 # Tensor-name suffixes of compressed-tensors' quantization parameters (not model weights proper).
-QUANT_PARAMS = ("weight_scale", "weight_zero_point", "weight_global_scale", "weight_g_idx", "weight_shape", "weight_packed",
-                "input_scale", "input_zero_point", "input_global_scale", "output_scale", "k_scale", "v_scale")
-SAFETENSORS_DTYPES = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F4", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64", "C64"}
+QUANT_PARAMS = (
+    "weight_scale",
+    "weight_zero_point",
+    "weight_global_scale",
+    "weight_g_idx",
+    "weight_shape",
+    "weight_packed",
+    "input_scale",
+    "input_zero_point",
+    "input_global_scale",
+    "output_scale",
+    "k_scale",
+    "v_scale",
+)
+SAFETENSORS_DTYPES = {
+    "BOOL",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F4",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "F64",
+    "I64",
+    "U64",
+    "C64",
+}
 TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "half": "F16", "float": "F32"}
 
 
-def build_manifest(inp: PackageInput, out: Path, src: Path, stages: dict, own: Upstream | None, weights: dict, ctx: dict) -> dict:
+def build_manifest(
+    inp: PackageInput, out: Path, src: Path, stages: dict, own: Upstream | None, weights: dict, ctx: dict
+) -> dict:
     from ...cache import file_sha256, recorded_hashes
 
     known = recorded_hashes([src])  # the shards hard-linked from the quantize entry: hashed at its commit
@@ -33,7 +66,11 @@ def build_manifest(inp: PackageInput, out: Path, src: Path, stages: dict, own: U
         "artifact": inp.artifact.name,
         "name": ctx["name"],
         "files": files,
-        "weights": {"shards": weights["files"], "resharded": weights["resharded"], "max_shard_size": inp.package.max_shard_size},
+        "weights": {
+            "shards": weights["files"],
+            "resharded": weights["resharded"],
+            "max_shard_size": inp.package.max_shard_size,
+        },
         "recipe": inp.model_dump(mode="json"),
         "recipe_hash": ctx["provenance"]["recipe_hash"],
         "stage_keys": keys,
@@ -61,7 +98,9 @@ def verify_package(dir: Path) -> list[str]:
 
     problems = []
     recorded = manifest["files"]
-    present = {str(p.relative_to(root)) for p in root.rglob("*") if (p.is_file() or p.is_symlink()) and p.name != MANIFEST}
+    present = {
+        str(p.relative_to(root)) for p in root.rglob("*") if (p.is_file() or p.is_symlink()) and p.name != MANIFEST
+    }
     for rel in sorted(set(recorded) - present):
         problems.append(f"{rel}: missing (listed in {MANIFEST})")
     for rel in sorted(present - set(recorded)):
@@ -105,7 +144,11 @@ def check_structure(root: Path) -> list[str]:
         for k, v in h.items():
             if k.startswith("__"):
                 continue
-            if not isinstance(v, dict) or v.get("dtype") not in SAFETENSORS_DTYPES or len(v.get("data_offsets") or []) != 2:
+            if (
+                not isinstance(v, dict)
+                or v.get("dtype") not in SAFETENSORS_DTYPES
+                or len(v.get("data_offsets") or []) != 2
+            ):
                 problems.append(f"{name}: tensor {k} has a malformed header entry")
             elif h["__size__"] + v["data_offsets"][1] > size:
                 problems.append(f"{name}: tensor {k} extends past the end of the file (truncated?)")
@@ -142,13 +185,19 @@ def _check_quantized_dtypes(config: dict, qc: dict, headers: dict) -> list[str]:
     problems = []
     fmt_ = qc.get("format")
     if qc.get("quant_method") == "compressed-tensors":
-        expected = {"pack-quantized": ("weight_packed", {"I32"}), "float-quantized": ("weight", {"F8_E4M3"}),
-                    "int-quantized": ("weight", {"I8"}), "naive-quantized": ("weight", {"I8", "F8_E4M3"})}.get(fmt_)
+        expected = {
+            "pack-quantized": ("weight_packed", {"I32"}),
+            "float-quantized": ("weight", {"F8_E4M3"}),
+            "int-quantized": ("weight", {"I8"}),
+            "naive-quantized": ("weight", {"I8", "F8_E4M3"}),
+        }.get(fmt_)
         if expected:
             suffix, dtypes = expected
             quantized = [k for k, (s, v) in tensors.items() if k.endswith("." + suffix) and v["dtype"] in dtypes]
             if not quantized:
-                problems.append(f"config.json: quantization format {fmt_!r} but no {'/'.join(sorted(dtypes))} `{suffix}` tensor in the shards")
+                problems.append(
+                    f"config.json: quantization format {fmt_!r} but no {'/'.join(sorted(dtypes))} `{suffix}` tensor in the shards"
+                )
             for k in quantized:
                 mod = k.rsplit(".", 1)[0]
                 if mod + ".weight_scale" not in tensors:
@@ -161,7 +210,9 @@ def _check_quantized_dtypes(config: dict, qc: dict, headers: dict) -> list[str]:
         allowed = {want, "F32"}
         for k, (s, v) in sorted(tensors.items()):
             if v["dtype"] in ("F16", "BF16", "F32") and not k.endswith(QUANT_PARAMS) and v["dtype"] not in allowed:
-                problems.append(f"{s}: tensor {k} is {v['dtype']} but config.json says dtype {config.get('dtype') or config.get('torch_dtype')}")
+                problems.append(
+                    f"{s}: tensor {k} is {v['dtype']} but config.json says dtype {config.get('dtype') or config.get('torch_dtype')}"
+                )
                 break
     return problems
 

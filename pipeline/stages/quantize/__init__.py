@@ -56,15 +56,26 @@ def build_modifiers(a) -> list:
         # (LlamaForCausalLM, Qwen2ForCausalLM... -> default_mappings) and logs when it falls back
         return [
             AWQModifier(duo_scaling=a.duo_scaling, n_grid=a.n_grid),
-            QuantizationModifier(config_groups=_weight_only_groups(4, a.symmetric, a.targets, a.group_size), ignore=list(a.ignore)),
+            QuantizationModifier(
+                config_groups=_weight_only_groups(4, a.symmetric, a.targets, a.group_size), ignore=list(a.ignore)
+            ),
         ]
     if a.method == "gptq":
-        return [GPTQModifier(
-            config_groups=_weight_only_groups(a.bits, True, a.targets, a.group_size), ignore=list(a.ignore),
-            actorder=a.actorder, dampening_frac=a.dampening_frac, block_size=a.block_size,
-        )]
+        return [
+            GPTQModifier(
+                config_groups=_weight_only_groups(a.bits, True, a.targets, a.group_size),
+                ignore=list(a.ignore),
+                actorder=a.actorder,
+                dampening_frac=a.dampening_frac,
+                block_size=a.block_size,
+            )
+        ]
     if a.method == "rtn":
-        return [QuantizationModifier(config_groups=_weight_only_groups(a.bits, a.symmetric, a.targets, a.group_size), ignore=list(a.ignore))]
+        return [
+            QuantizationModifier(
+                config_groups=_weight_only_groups(a.bits, a.symmetric, a.targets, a.group_size), ignore=list(a.ignore)
+            )
+        ]
     if a.method == "fp8":
         return [QuantizationModifier(scheme=scheme_name(a), **common)]
     if a.method == "w8a8-int8":
@@ -83,8 +94,13 @@ def oneshot_kwargs(a, inp: QuantizeInput, model, tokenizer, dataset) -> dict:
     if dataset is not None:
         c = inp.calibration
         # quantpipe.calibration already drew, shuffled (seeded) and truncated the samples: llm-compressor takes them all
-        kw |= {"dataset": dataset, "num_calibration_samples": len(dataset), "max_seq_length": c.max_seq_len,
-               "shuffle_calibration_samples": False, "batch_size": 1}
+        kw |= {
+            "dataset": dataset,
+            "num_calibration_samples": len(dataset),
+            "max_seq_length": c.max_seq_len,
+            "shuffle_calibration_samples": False,
+            "batch_size": 1,
+        }
     if a.pipeline is not None:
         kw["pipeline"] = a.pipeline
     if a.sequential_targets is not None:
@@ -171,7 +187,9 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
         raise StageError(f"{src} is not a model directory (no config.json); the quantize stage reads the merged model")
     data = needs_calibration(a)
     if data and inp.calibration is None:
-        raise StageError(f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe")
+        raise StageError(
+            f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe"
+        )
 
     t_import = time.perf_counter()
     import torch
@@ -188,14 +206,18 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
         tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=inp.base.trust_remote_code)
     except Exception as e:
         if data:
-            raise StageError(f"{src}: cannot load its tokenizer ({type(e).__name__}: {e}); calibration needs the tokenizer saved with the model") from None
+            raise StageError(
+                f"{src}: cannot load its tokenizer ({type(e).__name__}: {e}); calibration needs the tokenizer saved with the model"
+            ) from None
         tokenizer = None
     prepared = cal.prepare(inp.calibration, tokenizer) if data else None
     dataset = prepared.dataset() if prepared else None
     t_cal = time.perf_counter()
     work = compute_dtype(inp.base.dtype, "cpu" if not torch.accelerator.is_available() else "accelerator")
     model = AutoModelForCausalLM.from_pretrained(
-        src, dtype=getattr(torch, work), trust_remote_code=inp.base.trust_remote_code,
+        src,
+        dtype=getattr(torch, work),
+        trust_remote_code=inp.base.trust_remote_code,
         use_safetensors=None if inp.base.allow_pickle else True,
     )
     t_load = time.perf_counter()
@@ -211,7 +233,9 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
             oneshot(**kwargs)
     except ValueError as e:
         if "divisible" in str(e):
-            raise StageError(f"artifact {a.name!r}: {e} Pick a group_size that divides these layers' input size, or add them to `ignore`.") from None
+            raise StageError(
+                f"artifact {a.name!r}: {e} Pick a group_size that divides these layers' input size, or add them to `ignore`."
+            ) from None
         raise
     t_oneshot = time.perf_counter()
     if work != inp.base.dtype:
@@ -226,7 +250,17 @@ def run(inp: QuantizeInput, src: Path, out: Path, upstream: dict[str, Upstream] 
 
     modifiers = active_session().lifecycle.recipe.to_dict()
     (out / "llmcompressor_recipe.json").write_text(json.dumps(modifiers, indent=2, default=str) + "\n")
-    provenance = prepared.provenance(inp.calibration) if prepared else {"calibration_sha256": None, "n_samples": 0, "n_tokens": 0, "truncated_samples": 0, "note": f"{scheme_name(a)} needs no calibration data"}
+    provenance = (
+        prepared.provenance(inp.calibration)
+        if prepared
+        else {
+            "calibration_sha256": None,
+            "n_samples": 0,
+            "n_tokens": 0,
+            "truncated_samples": 0,
+            "note": f"{scheme_name(a)} needs no calibration data",
+        }
+    )
     (out / "calibration.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
     return {

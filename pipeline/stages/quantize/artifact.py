@@ -10,8 +10,15 @@ from ...common.methods import scheme_name
 
 # Copied verbatim from the merged model: what a user of the artifact needs besides the weights.
 SIDE_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
 SHARD_SIZE = "5GB"  # safetensors shard size of a quantized checkpoint (the merge stage writes the same)

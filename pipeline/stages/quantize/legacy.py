@@ -46,7 +46,9 @@ def run(inp: QuantizeInput, src: Path, out: Path) -> dict:
     if not (src / "config.json").is_file():
         raise StageError(f"{src} is not a model directory (no config.json); the quantize stage reads the merged model")
     if inp.calibration is None:
-        raise StageError(f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe")
+        raise StageError(
+            f"artifact {a.name!r} ({a.method}) needs calibration data: add a `calibration:` section to the recipe"
+        )
     seed_everything(inp.calibration.seed)
     with tempfile.TemporaryDirectory(prefix="quantpipe-legacy-") as work:
         quantize = _autoawq if backend == "autoawq" else _gptqmodel
@@ -56,7 +58,9 @@ def run(inp: QuantizeInput, src: Path, out: Path) -> dict:
     provenance = prepared.provenance(inp.calibration)
     (out / "calibration.json").write_text(json.dumps(provenance, indent=2) + "\n")
     libs = {n: importlib.metadata.version(n) for n in (backend, "transformers", "torch")}
-    (out / "backend.json").write_text(json.dumps({"backend": backend, "versions": libs, "arguments": args}, indent=2, default=str) + "\n")
+    (out / "backend.json").write_text(
+        json.dumps({"backend": backend, "versions": libs, "arguments": args}, indent=2, default=str) + "\n"
+    )
 
     import torch
 
@@ -81,7 +85,9 @@ def transformers4_view(src: Path, work: Path) -> Path:
     rope = cfg.pop("rope_parameters", None)
     if rope is not None:
         if "rope_theta" not in rope:
-            raise StageError(f"{src}/config.json: rope_parameters {rope} (per layer type) cannot be given to transformers 4; use backend: llm-compressor")
+            raise StageError(
+                f"{src}/config.json: rope_parameters {rope} (per layer type) cannot be given to transformers 4; use backend: llm-compressor"
+            )
         cfg.setdefault("rope_theta", rope["rope_theta"])
         if rope.get("rope_type", "default") != "default":
             cfg.setdefault("rope_scaling", {k: v for k, v in rope.items() if k != "rope_theta"})
@@ -120,20 +126,39 @@ def _autoawq(inp: QuantizeInput, a, src: Path, out: Path, work: Path):
     t2 = time.perf_counter()
     # float16: AutoAWQ's GEMM format stores float16 scales, and vLLM serves AWQ in float16
     model = AutoAWQForCausalLM.from_pretrained(
-        str(model_dir), torch_dtype=torch.float16, trust_remote_code=inp.base.trust_remote_code,
+        str(model_dir),
+        torch_dtype=torch.float16,
+        trust_remote_code=inp.base.trust_remote_code,
         safetensors=not inp.base.allow_pickle,
     )
     t3 = time.perf_counter()
     skip = [m for m in a.ignore if m != "lm_head"]  # AutoAWQ never quantizes lm_head
-    quant_config = {"zero_point": True, "q_group_size": a.group_size, "w_bit": 4, "version": "GEMM", "modules_to_not_convert": skip or None}
-    kwargs = {"duo_scaling": a.duo_scaling, "max_calib_samples": len(prepared.input_ids), "max_calib_seq_len": c.max_seq_len}
+    quant_config = {
+        "zero_point": True,
+        "q_group_size": a.group_size,
+        "w_bit": 4,
+        "version": "GEMM",
+        "modules_to_not_convert": skip or None,
+    }
+    kwargs = {
+        "duo_scaling": a.duo_scaling,
+        "max_calib_samples": len(prepared.input_ids),
+        "max_calib_seq_len": c.max_seq_len,
+    }
     model.quantize(tokenizer, quant_config=quant_config, calib_data=prepared.input_ids, **kwargs)
-    model.model.config.use_cache = json.loads((src / "config.json").read_text()).get("use_cache", True)  # AutoAWQ loads with it off
+    model.model.config.use_cache = json.loads((src / "config.json").read_text()).get(
+        "use_cache", True
+    )  # AutoAWQ loads with it off
     t4 = time.perf_counter()
     model.save_quantized(str(out))
     t5 = time.perf_counter()
-    times = {"import_s": round(t1 - t0, 3), "calibration_s": round(t2 - t1, 3), "load_s": round(t3 - t2, 3),
-             "quantize_s": round(t4 - t3, 3), "save_s": round(t5 - t4, 3)}
+    times = {
+        "import_s": round(t1 - t0, 3),
+        "calibration_s": round(t2 - t1, 3),
+        "load_s": round(t3 - t2, 3),
+        "quantize_s": round(t4 - t3, 3),
+        "save_s": round(t5 - t4, 3),
+    }
     extra = {"format": "awq-gemm", "calibration_blocks": blocks, "calibration_tokens_used": blocks * c.max_seq_len}
     return prepared, {"quant_config": quant_config, "quantize": kwargs, "dtype": "float16"}, times, extra
 
@@ -158,14 +183,25 @@ def _gptqmodel(inp: QuantizeInput, a, src: Path, out: Path, work: Path):
     desc_act, static_groups = ACTORDER[a.actorder]
     skip = [m for m in a.ignore if m != "lm_head"]
     config = {
-        "bits": a.bits, "group_size": a.group_size or -1, "sym": True, "desc_act": desc_act, "static_groups": static_groups,
-        "act_group_aware": False, "damp_percent": a.dampening_frac, "lm_head": False,
+        "bits": a.bits,
+        "group_size": a.group_size or -1,
+        "sym": True,
+        "desc_act": desc_act,
+        "static_groups": static_groups,
+        "act_group_aware": False,
+        "damp_percent": a.dampening_frac,
+        "lm_head": False,
         # in memory, as llm-compressor does: its disk offload also writes a temporary path into config.json
         "offload_to_disk": False,
         # a negative `dynamic` rule skips the modules it matches
         "dynamic": {f"-:{m[3:] if m.startswith('re:') else re.escape(m)}": {} for m in skip} or None,
     }
-    model = GPTQModel.load(str(src), QuantizeConfig(**config), trust_remote_code=inp.base.trust_remote_code, dtype=getattr(torch, inp.base.dtype))
+    model = GPTQModel.load(
+        str(src),
+        QuantizeConfig(**config),
+        trust_remote_code=inp.base.trust_remote_code,
+        dtype=getattr(torch, inp.base.dtype),
+    )
     t3 = time.perf_counter()
     samples = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in prepared.input_ids]
     # every sample as calibration prepared it: none dropped for being short, none re-ordered
@@ -174,6 +210,11 @@ def _gptqmodel(inp: QuantizeInput, a, src: Path, out: Path, work: Path):
     t4 = time.perf_counter()
     model.save(str(out))
     t5 = time.perf_counter()
-    times = {"import_s": round(t1 - t0, 3), "calibration_s": round(t2 - t1, 3), "load_s": round(t3 - t2, 3),
-             "quantize_s": round(t4 - t3, 3), "save_s": round(t5 - t4, 3)}
+    times = {
+        "import_s": round(t1 - t0, 3),
+        "calibration_s": round(t2 - t1, 3),
+        "load_s": round(t3 - t2, 3),
+        "quantize_s": round(t4 - t3, 3),
+        "save_s": round(t5 - t4, 3),
+    }
     return prepared, {"quantize_config": config, "quantize": kwargs, "dtype": inp.base.dtype}, times, {"format": "gptq"}
