@@ -112,8 +112,9 @@ def _rounds(srv, model: str, tokenizer: str, a: argparse.Namespace, out: Path) -
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     from quantpipe.recipe import Benchmark
+    from quantpipe.stages.benchmark.bench_serve import bench_serve_args
     from quantpipe.stages.benchmark.client import BenchClient
-    from quantpipe.stages.benchmark.measure import bench_serve_args, measure
+    from quantpipe.stages.benchmark.measure import measure
 
     bench = Benchmark.model_validate(
         {

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -31,22 +30,12 @@ import uuid
 from pathlib import Path
 
 from .ports import HOST, free_port, port_freed, port_in_use  # noqa: F401  (also importable from here)
+from .server_output import failure_reason, parse_metrics
 from .serving_links import stable_path  # noqa: F401  (quantpipe.server.stable_path, as scripts import it)
 
 MARKER_ENV = "QUANTPIPE_SERVER_ID"
 IPC_TMPDIR_MAX = (
     60  # longer TMPDIRs: the server gets a short one under /tmp (ipc://<TMPDIR>/<uuid4> must fit in 107 bytes)
-)
-_LOG_PREFIX = re.compile(
-    r"^(\(\w+ pid=\d+\)\s+)?((INFO|WARNING|ERROR|DEBUG|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d\s+\[[^\]]*\]\s?)?"
-)
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt)): (.+)$")
-# Exceptions that only wrap the real cause reported earlier in the log.
-_WRAPPERS = (
-    "initialization failed",
-    "See root cause above",
-    "See stack trace for root cause",
-    "Engine core initialization failed",
 )
 
 
@@ -56,31 +45,6 @@ class ServerDied(RuntimeError):
     def __init__(self, reason: str, log_tail: str = ""):
         super().__init__(reason)
         self.reason, self.log_tail = reason, log_tail
-
-
-def failure_reason(log_text: str) -> str:
-    """The most specific error in a vLLM log: its first exception that is not a mere wrapper."""
-    lines = [_LOG_PREFIX.sub("", ln).rstrip() for ln in log_text.splitlines()]
-    found = []
-    for i, ln in enumerate(lines):
-        m = _EXC_LINE.match(ln.strip())
-        if not m:
-            continue
-        msg = f"{m.group(1)}: {m.group(2)}"
-        # vLLM lists the reasons of a failed kernel choice on the lines that follow.
-        for nxt in lines[i + 1 : i + 8]:
-            s = nxt.strip()
-            if not s or s.startswith(("Traceback", "File ", "[", "^", "(")) or "[shutdown]" in s or _EXC_LINE.match(s):
-                break
-            msg += (" " if msg.endswith(":") else "; ") + s
-        found.append(msg)
-    specific = [f for f in found if not any(w in f for w in _WRAPPERS)]
-    if specific:
-        return specific[0][:800]
-    if found:
-        return found[-1][:800]
-    tail = [ln for ln in lines if ln.strip()][-3:]
-    return ("server exited; last log lines: " + " | ".join(tail))[:800] if tail else "server exited without any output"
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -372,25 +336,6 @@ class Server:
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus metrics, each sample summed over its labels (`name` -> value)."""
         return parse_metrics(self.metrics_text())
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name: value summed over labels}; `*_info` labels kept as `name{label}`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name.endswith("_created"):
-                continue
-            if s.name.endswith("_info") or fam.type == "info":
-                for k, v in s.labels.items():
-                    out[f"{s.name}{{{k}}}"] = v
-                continue
-            if s.name.endswith("_bucket"):
-                continue
-            out[s.name] = out.get(s.name, 0.0) + float(s.value)
-    return out
 
 
 def _gpu_bytes(pids: set[int]) -> int:

@@ -6,7 +6,7 @@ Started by file path, it loads quantpipe from its own folder, so a stage environ
 only. The spec names the stage, its typed input (its slice of the recipe), the input and output folders and the records
 of its upstream stages; the stage's metrics (plus wall time and peak memory) go to `metrics.json` next to the spec.
 Exit 0: done; 2: the stage refused its input (a StageError, message on the last line); 1: crashed. A benchmark spec may
-carry the artifact's evaluate spec under "evaluate" (a joint job, see quantpipe.run.runner): the evaluation then runs
+carry the artifact's evaluate spec under "evaluate" (a joint job, see quantpipe.run.build): the evaluation then runs
 against the benchmark's server before its sweep.
 """
 

@@ -27,7 +27,8 @@ from quantpipe.common.vllm_support import engine_flags, quant_scheme, unservable
 from quantpipe.ports import port_freed, port_in_use
 from quantpipe.recipe import Recipe
 from quantpipe.run.plan import stage_input
-from quantpipe.server import Server, failure_reason
+from quantpipe.server import Server
+from quantpipe.server_output import failure_reason
 from quantpipe.serving_links import stable_path
 from quantpipe.stages.benchmark.choose import pick_best
 from quantpipe.stages.benchmark.engine import effective_engine
@@ -1072,7 +1073,7 @@ def test_start_up_phases_come_from_the_servers_log_cold_and_warm():
 
 
 def test_engine_stats_are_the_peaks_of_the_servers_own_stats_log_lines():
-    from quantpipe.stages.benchmark.measure import engine_stats
+    from quantpipe.stages.benchmark.server_metrics import engine_stats
 
     seg = "\n".join(
         [

@@ -1,10 +1,11 @@
 """The recipe: one strict schema for everything `quantpipe run` does. YAML read safely (a key written twice is an
-error), validated by the pydantic v2 models of `schema.py` and `methods.py`, relative paths resolved against the
-recipe's folder (`load.py`). `quantpipe check` validates without running, the files it names included:
+error), validated by the pydantic v2 models of `schema.py`, `benchmark.py` and `methods.py`, relative paths resolved
+against the recipe's folder (`load.py`). `quantpipe check` validates without running, the files it names included:
 
     quantpipe check recipes/demo.yaml
 """
 
+from .benchmark import SLO, Benchmark, Engine, Variant, Workload
 from .load import MAX_RECIPE_BYTES, RecipeError, json_schema, load, parse
 from .methods import (
     AWQ,
@@ -22,13 +23,10 @@ from .methods import (
 )
 from .schema import (
     HUB_ID,
-    SLO,
     Adapter,
     Base,
-    Benchmark,
     Calibration,
     CalibrationSource,
-    Engine,
     Evaluation,
     Fidelity,
     Gates,
@@ -36,8 +34,6 @@ from .schema import (
     Package,
     Recipe,
     Validation,
-    Variant,
-    Workload,
 )
 
 __all__ = [

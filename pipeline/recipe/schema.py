@@ -1,6 +1,7 @@
 """The recipe's schema: pydantic v2 models, strict (unknown keys are errors), with the defaults a user would pick.
 Checked from the recipe alone; what needs the files it names (their rows, the model's config.json, lm-eval's task
-index) is checked by `quantpipe.inputs`. Methods: `methods.py`. `quantpipe schema` prints the JSON schema:
+index) is checked by `quantpipe.inputs`. Methods: `methods.py`; the benchmark section: `benchmark.py`. `quantpipe
+schema` prints the JSON schema:
 
     from quantpipe.recipe import Recipe
     Recipe.model_validate({"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]})
@@ -14,14 +15,10 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from .benchmark import Benchmark, _repeated
 from .methods import NAME, Artifact, Strict
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _repeated(names) -> list[str]:
-    names = list(names)
-    return sorted({n for n in names if names.count(n) > 1})
 
 
 # --- model and adapters -----------------------------------------------------------------------
@@ -240,149 +237,6 @@ class Evaluation(Strict):
                     f"gates.min_recovery_per_task names {', '.join(map(repr, stray))}, but no lm_eval task runs "
                     "(without evaluation.lm_eval the only task is 'validation'); fix the name or add the task"
                 )
-        return self
-
-
-# --- benchmark --------------------------------------------------------------------------------
-
-
-class Engine(Strict):
-    max_model_len: int | None = Field(None, ge=16)
-    max_num_seqs: int | None = Field(None, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=16)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    enable_prefix_caching: bool | None = None
-    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] | None = None
-    tensor_parallel_size: int | None = Field(None, ge=1)
-    enforce_eager: bool | None = None
-    kv_cache_memory_bytes: int | None = Field(
-        None,
-        ge=1 << 20,
-        description=(
-            "KV-cache size (vLLM's CPU backend needs one; quantpipe picks it when unset). On a GPU it replaces vLLM's sizing "
-            "from the free memory at start-up, which lets the scheduler share the GPU outside the measured runs."
-        ),
-    )
-    extra_args: list[str] = Field(default_factory=list, description="Further `vllm serve` flags, passed as given.")
-
-    @field_validator("extra_args")
-    @classmethod
-    def _no_quantization_flag(cls, v: list[str]) -> list[str]:
-        fields = {f.replace("_", "-"): f for f in cls.model_fields if f != "extra_args"}
-        for a in v:
-            if a.split("=")[0] in ("--quantization", "-q", "--host"):
-                raise ValueError(f"{a.split('=')[0]} is set by quantpipe (vLLM detects quantization from the artifact)")
-            # vLLM's parser reads --max_model_len as --max-model-len, and the last of two flags wins: one place for each
-            flag = a.split("=")[0].replace("_", "-")
-            name = flag.removeprefix("--no-") if flag.startswith("--no-") else flag.removeprefix("--")
-            if flag.startswith("--") and name in fields:
-                raise ValueError(
-                    f"{a.split('=')[0]} is an engine field: set `{fields[name]}` in the engine instead "
-                    "(quantpipe reads it to check workloads and estimate memory)"
-                )
-        return v
-
-
-class Variant(Strict):
-    name: str
-    engine: Engine
-
-
-class Workload(Strict):
-    name: str
-    kind: Literal["fixed", "validation", "shared_prefix"] = "fixed"
-    input_len: int = Field(128, ge=1)
-    output_len: int = Field(64, ge=1)
-    prefix_len: int = Field(0, ge=0, description="shared_prefix: tokens of common system prompt.")
-    num_prompts: int = Field(32, ge=1, le=100_000)
-
-    @model_validator(mode="after")
-    def _lengths_fit_the_kind(self):
-        if self.kind == "shared_prefix" and self.prefix_len == 0:
-            raise ValueError(
-                "kind shared_prefix needs prefix_len (the shared system prompt's tokens, at least 1); set it, or use kind fixed"
-            )
-        if self.kind != "shared_prefix" and self.prefix_len:
-            raise ValueError(
-                f"prefix_len applies to kind shared_prefix only; remove it, or set kind: shared_prefix (this one is {self.kind})"
-            )
-        # compared with the default, not with the fields set, so that a dumped recipe validates again as it was
-        if self.kind == "validation" and self.input_len != type(self).model_fields["input_len"].default:
-            raise ValueError(
-                "input_len does not apply to kind validation (its prompts are the validation set's); remove it"
-            )
-        return self
-
-    @property
-    def max_tokens(self) -> int | None:
-        """The longest sequence (prompt + output) it sends; None for kind validation (the prompts' own lengths)."""
-        if self.kind == "validation":
-            return None
-        return self.prefix_len + self.input_len + self.output_len
-
-
-class SLO(Strict):
-    ttft_p99_ms: float | None = Field(None, gt=0)
-    tpot_p99_ms: float | None = Field(None, gt=0)
-    e2el_p99_ms: float | None = Field(None, gt=0)
-
-
-class Benchmark(Strict):
-    enabled: bool = True
-    engine: Engine = Engine()
-    variants: list[Variant] = Field(
-        default_factory=list, description="Engine-argument variants measured beside `engine`."
-    )
-    workloads: list[Workload] = Field(default_factory=lambda: [Workload(name="fixed")])
-    concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16])
-    slo: SLO = SLO()
-    offline: bool = Field(True, description="Also measure offline batch-1 latency and throughput.")
-    lora: bool = Field(True, description="With adapters: also serve base + adapter at request time.")
-    precision: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description=(
-            "Target 95% half-width of each point's median TPOT, median e2e latency and output throughput (0.03 = ±3 %). "
-            "A point whose run of `num_prompts` requests is wider runs again with as many requests as its spread asks, "
-            "up to `max_prompts`. Unset: `num_prompts` requests per point."
-        ),
-    )
-    max_prompts: int = Field(512, ge=1, le=100_000, description="With `precision`: the most requests one point runs.")
-    goodput_search: int | None = Field(
-        None,
-        ge=1,
-        le=4096,
-        description=(
-            "Also search, on the first workload, for the highest concurrency up to this at which the SLO holds (bisection "
-            "from the sweep's points, to within 10 %): the artifact's goodput at the SLO is then the search's. Needs `slo`."
-        ),
-    )
-    seed: int = 0
-
-    @field_validator("concurrency")
-    @classmethod
-    def _positive(cls, v: list[int]) -> list[int]:
-        if not v or any(c < 1 for c in v):
-            raise ValueError("concurrency must be a non-empty list of positive integers, e.g. [1, 4, 16]")
-        return sorted(set(v))
-
-    @model_validator(mode="after")
-    def _unique_names(self):
-        if self.goodput_search and all(v is None for v in self.slo.model_dump().values()):
-            raise ValueError(
-                "goodput_search looks for the highest load within the SLO, and slo sets no bound: set slo "
-                "(e.g. ttft_p99_ms: 500, tpot_p99_ms: 50) or remove goodput_search"
-            )
-        # results are keyed by variant and workload name (runs/, report, compare)
-        dup = _repeated(w.name for w in self.workloads)
-        if dup:
-            raise ValueError(f"workload names must be unique; repeated: {', '.join(dup)}")
-        dup = _repeated(["default"] + [v.name for v in self.variants])
-        if dup:
-            raise ValueError(
-                f"variant names must be unique and not 'default' (the name of `engine` itself); repeated: {', '.join(dup)}"
-            )
         return self
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -24,59 +23,7 @@ from .records import (
     accuracy_rows,
     artifact_names,
 )
-
-
-def load_run(path: Path) -> tuple[dict, Path]:
-    """(run.json record, run directory) from a run directory or a run.json path."""
-    p = Path(path)
-    f = p / "run.json" if p.is_dir() else p
-    if not f.is_file():
-        raise CompareError(
-            f"{path}: no run.json there; give a run directory (<output_dir>/runs/<run_id>) or its run.json"
-        )
-    try:
-        record = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise CompareError(f"{f}: cannot read it as JSON ({e}); the run record is damaged") from None
-    if not isinstance(record, dict) or "stages" not in record:
-        raise CompareError(f"{f}: not a quantpipe run record (no `stages`)")
-    return record, f.parent
-
-
-def last_good(run_dir: Path, record: dict) -> Path:
-    """The most recent run of the same recipe before this one with status ok, from runs/index.jsonl."""
-    index = run_dir.parent / "index.jsonl"
-    if not index.is_file():
-        raise CompareError(
-            f"{index}: no run index; --against last-good needs runs recorded by `quantpipe run` in the same output directory"
-        )
-    entries = []
-    for line in index.read_text().splitlines():
-        try:
-            e = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash: skip it
-        if isinstance(e, dict):
-            entries.append(e)
-    me, start = record.get("run_id"), record.get("started_at") or ""
-    good = [
-        e
-        for e in entries
-        if e.get("status") == "ok"
-        and e.get("recipe_name") == record.get("recipe_name")
-        and e.get("run_id") != me
-        and (e.get("started_at") or "") <= start
-    ]
-    for e in sorted(good, key=lambda e: (e.get("started_at") or "", e.get("run_id") or ""), reverse=True):
-        d = Path(e.get("run_dir") or run_dir.parent / str(e.get("run_id")))
-        if not d.is_absolute():
-            d = run_dir.parent / d
-        if (d / "run.json").is_file():
-            return d
-    raise CompareError(
-        f"no earlier good run (status ok) of recipe {record.get('recipe_name')!r} in {index}; "
-        "nothing to compare against yet (the first good run becomes the reference)"
-    )
+from .run_lookup import last_good, load_run
 
 
 def compare_runs(

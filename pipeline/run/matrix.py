@@ -19,7 +19,8 @@ from pathlib import Path
 
 from .. import preflight
 from ..envs import EnvError
-from .runner import EXIT_FAILED, EXIT_GATE, RunError, Runner, _forced
+from .dispatch import RunError, _forced
+from .runner import EXIT_FAILED, EXIT_GATE, Runner
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..envs import hardware_key, lock_hash, source_hash
-from .runner import RunError
+from .dispatch import RunError
 
 log = logging.getLogger("quantpipe.run.ray_executor")
 PROBE_TIMEOUT_S = 120

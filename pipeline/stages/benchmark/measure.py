@@ -1,7 +1,8 @@
 """Measuring one server: warm-up, a `vllm bench serve` run per workload x concurrency, and the engine's own stats. The
 prefix cache is reset before each run, so runs do not feed each other's caches; around each run the server's Prometheus
 /metrics give prefix-cache hits and preemptions, and its log's stats lines (every STATS_INTERVAL_S) KV-cache usage and
-running/waiting requests.
+running/waiting requests. A run's arguments and result row are bench_serve.py's, the readings of the server's figures
+server_metrics.py's.
 
     rows, totals = measure(srv, inp.benchmark, "default", workloads, data, tokenizer, out)
 """
@@ -11,187 +12,25 @@ from __future__ import annotations
 import json
 import logging
 import random
-import re
 import time
 from pathlib import Path
 
 from ...common.measure_gate import measuring
 from ...common.vllm_support import LINEAR_KERNEL, engine_flags
-from ...recipe import SLO, Benchmark, Workload
+from ...recipe import Benchmark, Workload
 from ...server import Server, ServerDied
-from .. import StageError
+from .bench_serve import bench_serve_args, require_completed, row_from_vllm, slo_goodput_args, slo_met, vllm_bench_serve
 from .client import BenchClient, run_logged  # noqa: F401  (run_logged: also for offline.py)
+from .server_metrics import counters, engine_stats, kv_gib, kv_tokens, loaded_weights_gib, weights_gib
 from .startup import startup_phases
-from .stats import intervals, prompts_for, widest_half_width
-from .workloads import dataset_args
+from .stats import prompts_for, widest_half_width
 
 log = logging.getLogger(__name__)
 
-PERCENTILES = (50, 90, 99)
-METRICS = ("ttft", "tpot", "itl", "e2el")
 STATS_INTERVAL_S = 1.0  # VLLM_LOG_STATS_INTERVAL for the servers quantpipe starts
 # The warm-up's first request (a workload-length prompt, 4 output tokens) must finish within this: a server that slow
 # (an emulated kernel, such as FP8 through torch._scaled_mm on a CPU without FP8 hardware) would take hours to sweep.
 FIRST_REQUEST_S = 120.0
-
-
-def slo_goodput_args(s: SLO) -> list[str]:
-    """vLLM's --goodput bounds for the SLO ([] without one)."""
-    pairs = [
-        f"{k}:{v:g}"
-        for k, v in (("ttft", s.ttft_p99_ms), ("tpot", s.tpot_p99_ms), ("e2el", s.e2el_p99_ms))
-        if v is not None
-    ]
-    return ["--goodput", *pairs] if pairs else []
-
-
-def bench_serve_args(
-    srv: Server,
-    w: Workload,
-    data: dict | None,
-    concurrency: int,
-    tokenizer: str,
-    seed: int,
-    result_dir: Path,
-    filename: str,
-    goodput: list[str],
-    lora_names: list[str] | None = None,
-) -> list[str]:
-    """The `vllm bench serve` argument list for one run (what the CLI would be given after `bench serve`)."""
-    args = [
-        "--backend",
-        "openai",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(srv.port),
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        srv.served_model_name,
-        "--tokenizer",
-        tokenizer,
-        *dataset_args(w, data),
-        "--num-prompts",
-        str(w.num_prompts),
-        "--max-concurrency",
-        str(concurrency),
-        "--request-rate",
-        "inf",
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--seed",
-        str(seed),
-        "--percentile-metrics",
-        ",".join(METRICS),
-        "--metric-percentiles",
-        ",".join(map(str, PERCENTILES)),
-        *goodput,
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(result_dir),
-        "--result-filename",
-        filename,
-        "--disable-tqdm",
-    ]
-    if lora_names:
-        args += ["--lora-modules", *lora_names, "--lora-assignment", "round-robin"]
-    return args
-
-
-def vllm_bench_serve(client: BenchClient, args: list[str], log_path: Path) -> None:
-    """Run `vllm bench serve ARGS`, vLLM's own CLI, through `client` (see client.py), output in `log_path`."""
-    rc = client.run(args, log_path)
-    if rc != 0:
-        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:])
-        raise RuntimeError(f"vllm bench serve failed (exit {rc}); last lines of {log_path}:\n{tail}")
-
-
-def require_completed(raw: dict, what: str, log_path: Path) -> None:
-    """`vllm bench serve` exits 0 even when every request failed (it warns "All requests failed"): a run
-    that completed nothing has no figures to report, so the stage stops there and says where to look."""
-    if raw.get("completed"):
-        return
-    errors = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln]
-    raise StageError(
-        f"vllm bench serve completed none of the requests of {what}: {raw.get('failed')} failed"
-        + (f" ({errors[-1][:300]})" if errors else "")
-        + f"; the requests' errors are in {log_path}"
-    )
-
-
-def row_from_vllm(raw: dict, slo: SLO | None = None) -> dict:
-    """vLLM's result JSON -> quantpipe's result row (latencies in ms, p50/p90/p99), with the 95% intervals of
-    `stats.intervals` where the result carries its requests (`p50_ci95`/`p99_ci95` per latency, `ci95` per rate)."""
-    row = {
-        "completed": raw.get("completed"),
-        "failed": raw.get("failed"),
-        "duration_s": raw.get("duration"),
-        "request_throughput": raw.get("request_throughput"),
-        "output_throughput": raw.get("output_throughput"),
-        "total_token_throughput": raw.get("total_token_throughput"),
-    }
-    for m in METRICS:
-        row[f"{m}_ms"] = {"mean": raw.get(f"mean_{m}_ms"), **{f"p{p}": raw.get(f"p{p}_{m}_ms") for p in PERCENTILES}}
-    iv = intervals(raw, slo)
-    if iv:
-        for m in ("ttft", "tpot", "e2el"):
-            row[f"{m}_ms"] |= {f"{p}_ci95": ci for p, ci in iv.get(f"{m}_ms", {}).items()}
-        row["ci95"], row["ci_requests"], row["ci_method"] = iv["ci95"], iv["n"], iv["method"]
-    done = raw.get("completed") or 0
-    row["input_tokens_mean"] = raw.get("total_input_tokens", 0) / done if done else None
-    row["output_tokens_mean"] = raw.get("total_output_tokens", 0) / done if done else None
-    return row
-
-
-def slo_met(row: dict, s: SLO) -> bool | None:
-    """p99s within the SLO and no failed request (None without an SLO)."""
-    bounds = {"ttft_ms": s.ttft_p99_ms, "tpot_ms": s.tpot_p99_ms, "e2el_ms": s.e2el_p99_ms}
-    if all(v is None for v in bounds.values()):
-        return None
-    if row.get("failed") or not row.get("completed"):
-        return False
-    for k, lim in bounds.items():
-        v = (row.get(k) or {}).get("p99")
-        if lim is not None and (v is None or v > lim):
-            return False
-    return True
-
-
-# --- server metrics ---------------------------------------------------------------------------
-
-
-def _metric(m: dict, *names: str) -> float | None:
-    for n in names:
-        if n in m:
-            return m[n]
-    return None
-
-
-def _counters(m: dict) -> dict:
-    return {
-        "hits": _metric(m, "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total") or 0.0,
-        "queries": _metric(m, "vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total") or 0.0,
-        "preemptions": _metric(m, "vllm:num_preemptions_total") or 0.0,
-    }
-
-
-_STATS_LINE = re.compile(r"Running: (\d+) reqs, Waiting: (\d+) reqs, (?:GPU|CPU|XPU)? ?KV cache usage: ([\d.]+)%")
-
-
-def engine_stats(log_segment: str) -> dict:
-    """Peaks of the engine's periodic stats lines in a piece of the server log. Read from the log, not by polling /metrics
-    during the run: rendering /metrics (~50 KB) runs on the API server's event loop, which streams the tokens being timed."""
-    found = _STATS_LINE.findall(log_segment)
-    if not found:
-        return {"kv_cache_usage_peak": None, "running_peak": None, "waiting_peak": None}
-    return {
-        "kv_cache_usage_peak": max(float(u) for _, _, u in found) / 100,
-        "running_peak": max(int(r) for r, _, _ in found),
-        "waiting_peak": max(int(w) for _, w, _ in found),
-    }
 
 
 def reset_prefix_cache(srv: Server) -> bool:
@@ -319,14 +158,14 @@ def measure(
             if row["kv_cache_usage_peak"] is not None:
                 peak_usage = max(peak_usage or 0.0, row["kv_cache_usage_peak"])
     last = srv.metrics()
-    t0, t1 = _counters(first), _counters(last)
+    t0, t1 = counters(first), counters(last)
     dq = t1["queries"] - t0["queries"]
     totals = {
         "prefix_cache_hit_rate": round((t1["hits"] - t0["hits"]) / dq, 4) if dq > 0 else None,
         "preemptions": int(t1["preemptions"] - t0["preemptions"]),
         "kv_cache_usage_peak": peak_usage,
-        "kv_cache_tokens": _kv_tokens(last, srv.log_text()),
-        "kv_cache_gib": _kv_gib(last),
+        "kv_cache_tokens": kv_tokens(last, srv.log_text()),
+        "kv_cache_gib": kv_gib(last),
         "prefix_cache_reset": can_reset,
     }
     return rows, totals
@@ -350,7 +189,7 @@ def _run_point(
     raw_dir = out / "raw" / variant
     fname = f"{w.name}-c{c}.json"
     args = bench_serve_args(srv, w, data.get(w.name), c, tokenizer, seed, raw_dir, fname, goodput, lora_names)
-    before = _counters(srv.metrics())
+    before = counters(srv.metrics())
     log_at = len(srv.log_text())
     log.info("benchmark %s: workload %s, concurrency %d, %d requests", variant, w.name, c, w.num_prompts)
     bench_log = out / "logs" / f"bench-{variant}-{w.name}-c{c}.log"
@@ -358,7 +197,7 @@ def _run_point(
     time.sleep(STATS_INTERVAL_S * 1.2)  # let the engine log the stats of the run's last interval
     srv.check_alive()
     stats = engine_stats(srv.log_text()[log_at:])
-    after = _counters(srv.metrics())
+    after = counters(srv.metrics())
     raw = json.loads((raw_dir / fname).read_text())
     require_completed(raw, f"workload {w.name!r} at concurrency {c} (variant {variant!r})", bench_log)
     row = {
@@ -423,40 +262,6 @@ def _set_aside(out: Path, raw: str) -> str:
     return str(res.with_name(res.stem + "-pilot.json").relative_to(out))
 
 
-def _kv_tokens(m: dict, log_text: str) -> int | None:
-    for k in ("vllm:cache_config_info{kv_cache_size_tokens}",):
-        v = m.get(k)
-        if v not in (None, "None", ""):
-            try:
-                return int(float(v))
-            except (TypeError, ValueError):
-                pass
-    try:
-        blocks, size = int(m["vllm:cache_config_info{num_gpu_blocks}"]), int(m["vllm:cache_config_info{block_size}"])
-        return blocks * size
-    except (KeyError, TypeError, ValueError):
-        pass
-    found = re.findall(r"(?:GPU|CPU) KV cache size: ([\d,]+) tokens", log_text)
-    return int(found[-1].replace(",", "")) if found else None
-
-
-def _kv_gib(m: dict) -> float | None:
-    v = m.get("vllm:cache_config_info{kv_cache_memory_bytes}")
-    try:
-        return round(int(float(v)) / 2**30, 4)
-    except (TypeError, ValueError):
-        return None
-
-
-def weights_gib(model_dir: Path) -> float:
-    return round(sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**30, 4)
-
-
-def _loaded_weights_gib(log_text: str) -> float | None:
-    found = re.findall(r"Model loading took ([\d.]+) GiB", log_text)
-    return float(found[-1]) if found else None
-
-
 def serve_variant(
     name: str,
     model: Path,
@@ -513,7 +318,7 @@ def serve_variant(
             info["memory"] = {
                 **totals,
                 "weights_gib": weights_gib(model),
-                "weights_loaded_gib": _loaded_weights_gib(srv.log_text()),
+                "weights_loaded_gib": loaded_weights_gib(srv.log_text()),
             }
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
         if plat.get("platform") == "cuda":

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...common.vllm_support import engine_flags
 from ...recipe import Workload
-from ...server import failure_reason
+from ...server_output import failure_reason
 from .measure import run_logged
 
 
