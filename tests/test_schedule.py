@@ -110,6 +110,7 @@ def test_shared_benchmarks_measure_in_the_order_they_asked():
     s.wait_to_measure("benchmark:awq")
     s.wait_to_measure("benchmark:gptq")
     assert not s.try_measure("benchmark:gptq") and not s.try_measure("benchmark:awq")  # the baseline asked first
+    assert s.blockers("benchmark:gptq") == ["benchmark:awq", "benchmark:baseline"]  # what the console names
     s.wait_to_measure("benchmark:baseline")  # asking again keeps its place
     assert s.try_measure("benchmark:baseline")
     s.finish("benchmark:baseline")

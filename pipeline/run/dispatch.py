@@ -212,7 +212,7 @@ class StepDispatch:
                     where = f"GPU {','.join(g.gpus)}" if g.gpus else "the host"
                     self.say(
                         f"  [dim]…[/dim] {sid:<24} waits for {where} to itself to measure "
-                        f"(busy: {', '.join(self.scheduler.blockers(sid))})"
+                        f"(after: {', '.join(self.scheduler.blockers(sid))})"
                     )
             elif state == "done" and g.phase == "measuring":
                 self.scheduler.end_measure(sid)

@@ -154,15 +154,15 @@ class Scheduler:
 
     def try_measure(self, sid: str) -> bool:
         """True, and `sid` measures, when every other stage on its GPU waits to measure and none of them asked first."""
-        g = self.running[sid]
-        if self.blockers(sid) or any(u.phase == "waiting" and u.asked < g.asked for u in self._beside(sid).values()):
+        if self.blockers(sid):
             return False
-        g.phase = "measuring"
+        self.running[sid].phase = "measuring"
         return True
 
     def blockers(self, sid: str) -> list[str]:
-        """The stages that keep `sid` from measuring: those on its GPU that are not waiting to measure."""
-        return sorted(other for other, u in self._beside(sid).items() if u.phase != "waiting")
+        """The stages that keep `sid` from measuring: those on its GPU that work, or wait to measure and asked first."""
+        g = self.running[sid]
+        return sorted(o for o, u in self._beside(sid).items() if u.phase != "waiting" or u.asked < g.asked)
 
     def _beside(self, sid: str) -> dict[str, Grant]:
         """The other stages on `sid`'s GPUs (on a host without GPUs, every other stage)."""
