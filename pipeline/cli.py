@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from .cli_input import EXIT_GATE, BadInput, _check_uri, _load
+from .cli_input import EXIT_GATE, BadInput, check_uri, load_checked
 from .cli_run import run
 from .recipe import json_schema
 
@@ -44,7 +44,7 @@ def main(ctx, verbose):
 @click.argument("recipe", type=click.Path(dir_okay=False))
 def check(recipe):
     """Validate RECIPE without running anything; print it resolved, with defaults."""
-    r = _load(recipe)
+    r = load_checked(recipe)
     click.echo(json.dumps(r.model_dump(mode="json"), indent=2))
     click.echo(f"{recipe}: OK ({len(r.artifacts)} artifact(s): {', '.join(a.name for a in r.artifacts)})", err=True)
 
@@ -103,7 +103,7 @@ def history(output_dir, last, push_uri, experiment):
     from .history import HistoryError, write_history
 
     if push_uri:
-        _check_uri("--push-mlflow", push_uri)
+        check_uri("--push-mlflow", push_uri)
     try:
         paths = write_history(Path(output_dir), last)
     except HistoryError as e:

@@ -3,8 +3,8 @@ everything knowable (its schema, then `quantpipe.inputs`), an MLflow URI checked
 option split into a set. Bad input raises `BadInput`, which exits 2 with a sentence that names the problem and the fix,
 never a traceback; a failed release gate or a comparison that finds a regression exits 3 (`EXIT_GATE`).
 
-    r = _load("recipes/demo.yaml")   # BadInput: "recipes/demo.yaml: 1 problem(s) found before running anything: ..."
-    _csv("quantize, evaluate")       # {"quantize", "evaluate"}
+    r = load_checked("recipes/demo.yaml")  # BadInput: "recipes/demo.yaml: 1 problem(s) found before running anything: ..."
+    split_csv("quantize, evaluate")        # {"quantize", "evaluate"}
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ class BadInput(click.ClickException):
     exit_code = EXIT_USAGE
 
 
-def _tracking(recipe, uri: str | None) -> tuple[str, str | None] | None:
+def tracking_target(recipe, uri: str | None) -> tuple[str, str | None] | None:
     """(MLflow URI, experiment) from --mlflow or the recipe's tracking.mlflow, checked like the recipe; None without either."""
     cfg = recipe.tracking.mlflow
     if uri is None:
         return (cfg.uri, cfg.experiment) if cfg else None
-    _check_uri("--mlflow", uri)
+    check_uri("--mlflow", uri)
     return uri, cfg.experiment if cfg else None
 
 
-def _check_uri(option: str, uri: str) -> None:
+def check_uri(option: str, uri: str) -> None:
     """An MLflow URI as the recipe's tracking.mlflow.uri is checked (no credentials in it); bad input exits 2."""
     from pydantic import ValidationError
 
@@ -41,7 +41,7 @@ def _check_uri(option: str, uri: str) -> None:
         raise BadInput(f"{option}: {e.errors()[0]['msg'].removeprefix('Value error, ')}") from None
 
 
-def _load(path: str):
+def load_checked(path: str):
     """The recipe, checked against everything knowable before a stage runs (schema, then `quantpipe.inputs`); bad input exits 2."""
     try:
         r = load(path)
@@ -63,5 +63,5 @@ def _load(path: str):
     return r
 
 
-def _csv(value: str | None) -> set[str] | None:
+def split_csv(value: str | None) -> set[str] | None:
     return {v.strip() for v in value.split(",") if v.strip()} if value else None

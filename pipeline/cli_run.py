@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from .cli_input import BadInput, _csv, _load, _tracking
+from .cli_input import BadInput, load_checked, split_csv, tracking_target
 
 
 def _console(quiet: bool = False):
@@ -189,7 +189,7 @@ def run(
         )
     loaded = []
     for recipe in recipes:
-        r = _load(recipe)
+        r = load_checked(recipe)
         if cache_dir:
             from .places import problems as place_problems
 
@@ -202,13 +202,13 @@ def run(
         raise BadInput(
             "--mlflow and --history log one recipe's run on this host: run each recipe on its own for them, or drop them"
         )
-    tracking = None if matrix else _tracking(loaded[0][0], mlflow_uri)
-    kinds = _csv(stages)
+    tracking = None if matrix else tracking_target(loaded[0][0], mlflow_uri)
+    kinds = split_csv(stages)
     if kinds and not kinds <= set(KINDS):
         raise BadInput(
             f"--stages: unknown stage kind(s) {', '.join(sorted(kinds - set(KINDS)))}; use {', '.join(KINDS)}"
         )
-    forced = _csv(force) or set()
+    forced = split_csv(force) or set()
     targets = {a.name for rr, _ in loaded for a in rr.artifacts} | {"baseline"}
     bad = {
         f
@@ -242,7 +242,7 @@ def run(
             from rich.table import Table
 
             for runner, (_, recipe) in zip(runners, loaded):
-                rows = runner.dry_run(forced, kinds, _csv(artifacts))
+                rows = runner.dry_run(forced, kinds, split_csv(artifacts))
                 gpu = any(row["gpu_gib"] is not None for row in rows)
                 t = Table(
                     title=f"plan for {recipe} (nothing written)",
@@ -272,7 +272,7 @@ def run(
                     stage_timeout_s=timeout_s,
                     force=forced,
                     kinds=kinds,
-                    artifacts=_csv(artifacts),
+                    artifacts=split_csv(artifacts),
                     wait=wait,
                     index_dir=Path(matrix_dir) if matrix_dir else None,
                     gpu_select=gpu_select,
@@ -285,7 +285,7 @@ def run(
         live = LiveStatus(console) if console.is_terminal and not quiet and not ctx.obj["verbose"] else None
         runner.procs.watch = live
         with live or nullcontext():
-            code = runner.run(forced, kinds, _csv(artifacts), wait=wait)
+            code = runner.run(forced, kinds, split_csv(artifacts), wait=wait)
         _after_run(console, runner, tracking, refresh_history, plain=quiet or not console.is_terminal)
     except RunError as e:
         raise BadInput(str(e)) from None

@@ -140,7 +140,7 @@ class StepDispatch:
                         continue  # an input is not committed yet
                     if s.kind == "benchmark" and any(p.joint == s.id for p in pending):
                         continue  # its evaluation is decided first: through this benchmark's server, or on its own
-                    if not _forced(s, force) and self.cache.lookup(s.id, s.key) is not None:
+                    if not is_forced(s, force) and self.cache.lookup(s.id, s.key) is not None:
                         pending.remove(s)  # a cache hit needs no GPU: checked here, in order
                         work([s], Grant([]))
                         continue
@@ -148,7 +148,7 @@ class StepDispatch:
                     b = by_id.get(s.joint)
                     if (
                         b in pending
-                        and (_forced(b, force) or self.cache.lookup(b.id, b.key) is None)
+                        and (is_forced(b, force) or self.cache.lookup(b.id, b.key) is None)
                         and all(d in self.records for d in (b.src, *b.refs.values()) if d in ids)
                     ):
                         job = [s, b]  # both to build: one job, on the benchmark's terms (whole GPUs, or the host alone)
@@ -224,7 +224,7 @@ class StepDispatch:
         """Reuse or build one stage and record it; `built`: what a joint job made of it ((marker, state) or StageFailed)."""
         rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key}
         t0 = time.perf_counter()
-        forced = _forced(s, force)
+        forced = is_forced(s, force)
         marker = None if forced or built is not None else self.cache.lookup(s.id, s.key)
         state = "forced" if forced else "miss"
         if marker is not None:
@@ -283,7 +283,7 @@ class StepDispatch:
     ) -> list[dict]:
         """An artifact's evaluation and benchmark from one serve-environment process, each with its own key and entry.
         `early(step, record)` gets the evaluation's record once committed, so what reads it may start."""
-        forced = {s.id: _forced(s, force) for s in (e, b)}
+        forced = {s.id: is_forced(s, force) for s in (e, b)}
         state = {sid: "forced" if f else "miss" for sid, f in forced.items()}
         sent = []
 
@@ -305,5 +305,5 @@ class StepDispatch:
         ]
 
 
-def _forced(s: Step, force: set[str]) -> bool:
+def is_forced(s: Step, force: set[str]) -> bool:
     return bool(force) and ("all" in force or s.kind in force or s.id in force)

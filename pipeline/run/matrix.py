@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import preflight
 from ..envs import EnvError
-from .dispatch import RunError, _forced
+from .dispatch import RunError, is_forced
 from .runner import EXIT_FAILED, EXIT_GATE, Runner
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ def run_matrix(
             steps = [s for _, st in plans for s in st]
             cluster.check([runner.cache.root for runner in runners], {s.env for s in steps}, {s.kind for s in steps})
         for runner, (base_dir, steps) in zip(runners, plans):
-            todo = {s.id for s in steps if _forced(s, force) or not (s.key and runner.cache.lookup(s.id, s.key))}
+            todo = {s.id for s in steps if is_forced(s, force) or not (s.key and runner.cache.lookup(s.id, s.key))}
             try:
                 (runner.executor.preflight if runner.executor else preflight.check)(
                     runner.recipe, steps, base_dir, runner.cache.root, runner.out_dir, todo

@@ -20,7 +20,7 @@ from pathlib import Path
 from . import ray_boot
 from .dispatch import RunError
 from .ray_probe import check_nodes
-from .ray_stages import RayStages, _fmt
+from .ray_stages import RayStages, fmt_resource
 from .schedule import SHARED
 
 log = logging.getLogger(__name__)
@@ -125,8 +125,8 @@ class RayCluster:
             if all(n["resources"].get(keys[k], 0) >= v for k, v in req.items() if v):
                 return None
         biggest = {r: max((n["resources"].get(r, 0) for n in self._live()), default=0) for r in keys.values()}
-        asks = ", ".join(f"{keys[k]} {_fmt(keys[k], v)}" for k, v in req.items() if v)
-        has = ", ".join(f"{r} {_fmt(r, v)}" for r, v in biggest.items())
+        asks = ", ".join(f"{keys[k]} {fmt_resource(keys[k], v)}" for k, v in req.items() if v)
+        has = ", ".join(f"{r} {fmt_resource(r, v)}" for r, v in biggest.items())
         return f"{sid} asks Ray for {asks} but no node has that much (the largest offer: {has}); add such a node or lower the stage's needs"
 
     def claim(self, key: tuple[str, str]) -> tuple[Future, bool]:

@@ -32,7 +32,7 @@ RUN_ENV = (
 )  # the driver's, handed to stages
 
 
-def _fmt(resource: str, v) -> str:
+def fmt_resource(resource: str, v) -> str:
     return f"{v / 2**30:.1f} GiB" if resource == "memory" else f"{v:g}"
 
 
@@ -197,7 +197,7 @@ class RayStages:
         tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
         req = c.request(s.kind, r.estimates.get(s.id), tp)
         asks = ", ".join(
-            f"{k.removeprefix('num_')} {_fmt('memory' if k == 'memory' else k, v)}" for k, v in req.items() if v
+            f"{k.removeprefix('num_')} {fmt_resource('memory' if k == 'memory' else k, v)}" for k, v in req.items() if v
         )
         r.say(f"  [cyan]>[/cyan] {s.id:<24} submitted to Ray ({asks}) in the {s.env} environment (log: {log_path})")
         while True:

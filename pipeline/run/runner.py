@@ -27,7 +27,7 @@ from ..envs import LEGACY_ENVS, git_commit, hardware, python_for, versions
 from ..recipe import Recipe
 from ..stages.contract import Upstream
 from .build import Builder
-from .dispatch import RunError, StepDispatch, _forced
+from .dispatch import RunError, StepDispatch, is_forced
 from .finish import finish_run
 from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
@@ -108,7 +108,7 @@ class Runner(StepDispatch):
         est = preflight.estimate(self.recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
         rows = []
         for s in steps:
-            state = "forced" if _forced(s, force) else ("hit" if s.key and self.cache.lookup(s.id, s.key) else "miss")
+            state = "forced" if is_forced(s, force) else ("hit" if s.key and self.cache.lookup(s.id, s.key) else "miss")
             e = preflight.record(est, s.id) or {}
             rows.append(
                 {
@@ -130,7 +130,7 @@ class Runner(StepDispatch):
         """Plan (fetching a hub model, so a failed download writes nothing), refuse a run that cannot fit, lock, run."""
         base_dir, steps = self.plan(dry_run=False, kinds=kinds, artifacts=artifacts)
         self.procs.stopping = False
-        todo = {s.id for s in steps if _forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
+        todo = {s.id for s in steps if is_forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
         try:
             self.estimates, have = (self.executor.preflight if self.executor else preflight.check)(
                 self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo
