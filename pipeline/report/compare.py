@@ -228,22 +228,14 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
         for label, get, ci, unit, lower in (
             (
                 "TTFT p50",
-                lambda x: (
-                    _pct(x.get("ttft_ms"), "p50")
-                    if _pct(x.get("ttft_ms"), "p50") is not None
-                    else _pct(x.get("ttft_ms"), "mean")
-                ),
+                lambda x: _p50_or_mean(x.get("ttft_ms")),
                 lambda x: _pair(_d(x.get("ttft_ms")).get("p50_ci95")),
                 "ms",
                 True,
             ),
             (
                 "TPOT p50",
-                lambda x: (
-                    _pct(x.get("tpot_ms"), "p50")
-                    if _pct(x.get("tpot_ms"), "p50") is not None
-                    else _pct(x.get("tpot_ms"), "mean")
-                ),
+                lambda x: _p50_or_mean(x.get("tpot_ms")),
                 lambda x: _pair(_d(x.get("tpot_ms")).get("p50_ci95")),
                 "ms",
                 True,
@@ -296,6 +288,11 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
                 + ")"
             )
     return out
+
+
+def _p50_or_mean(figure) -> float | None:
+    """A latency's p50, or its mean where the run recorded no p50."""
+    return _pct(figure, "p50") if _pct(figure, "p50") is not None else _pct(figure, "mean")
 
 
 def _span(ci: list[float]) -> str:

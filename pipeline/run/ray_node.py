@@ -2,7 +2,7 @@
 A task takes the entry's lock (the local runner's too), builds beside the entry and commits, as the local runner does,
 and ends its attempt uncommitted if its node's raylet dies. Each node loads it from a checkout at the driver's path.
 
-    ray.remote(run_stage).options(num_gpus=0.25, memory=4 << 30).remote(job)   # run/ray_executor.py builds `job`
+    ray.remote(ray_boot.call).options(num_gpus=0.25, memory=4 << 30).remote(PACKAGE, "run_stage", job)  # ray_executor.py
 """
 
 from __future__ import annotations
