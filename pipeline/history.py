@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from .report.compare import compare_records
-from .report.records import TEMPLATES, _d
+from .report.records import TEMPLATES
 from .report.summary import summarize
+from .run.record import RunRecord
 
 FIGURES = [  # key, title, unit, lower is better, log scale
     ("recovery", "Accuracy recovery (worst task, 95% CI)", "", False, False),
@@ -44,7 +45,7 @@ class HistoryError(Exception):
     """An output directory without runs to show; the message says what to do."""
 
 
-def load_runs(out_dir: Path, last: int | None = None) -> list[tuple[dict, Path]]:
+def load_runs(out_dir: Path, last: int | None = None) -> list[tuple[RunRecord, Path]]:
     """(run record, run folder) of every finished run in out_dir/runs, oldest first; the last `last` of them."""
     runs_dir = Path(out_dir) / "runs"
     if not runs_dir.is_dir():
@@ -52,12 +53,14 @@ def load_runs(out_dir: Path, last: int | None = None) -> list[tuple[dict, Path]]
     found = []
     for f in sorted(runs_dir.glob("*/run.json")):
         try:
-            rec = json.loads(f.read_text())
+            raw = json.loads(f.read_text())
         except (OSError, ValueError):
             continue  # a damaged record is skipped, not fatal: the others still make a history
-        if isinstance(rec, dict) and rec.get("status") in DONE and isinstance(rec.get("stages"), dict):
-            found.append((rec, f.parent))
-    found.sort(key=lambda x: (str(x[0].get("started_at") or ""), str(x[0].get("run_id") or "")))
+        if isinstance(raw, dict) and isinstance(raw.get("stages"), dict):
+            rec = RunRecord.of(raw)
+            if rec.status in DONE:
+                found.append((rec, f.parent))
+    found.sort(key=lambda x: (x[0].started_at or "", x[0].run_id or ""))
     if not found:
         raise HistoryError(f"{runs_dir}: no finished run recorded there yet; run `quantpipe run RECIPE` first")
     return found[-last:] if last else found
@@ -82,15 +85,15 @@ def build(out_dir: Path, last: int | None = None) -> dict:
         report = run_dir / "report.html"
         link = os.path.relpath(report, out_dir) if report.is_file() else None
         run = {
-            "run_id": rec.get("run_id"),
-            "recipe_name": rec.get("recipe_name"),
-            "started_at": rec.get("started_at"),
-            "status": rec.get("status"),
+            "run_id": rec.run_id,
+            "recipe_name": rec.recipe_name,
+            "started_at": rec.started_at,
+            "status": rec.status,
             "report": link,
             "dir": str(run_dir),
             "hardware": s["provenance"]["hardware_text"],
             "recommended": s["recommendation"].get("choice"),
-            "against": ref[0].get("run_id") if ref else None,
+            "against": ref[0].run_id if ref else None,
             "same_hardware": cmp["same_hardware"] if cmp else None,
             "findings": cmp["findings"] if cmp else [],
         }
@@ -126,16 +129,16 @@ def build(out_dir: Path, last: int | None = None) -> dict:
     return result
 
 
-def _last_good(rec: dict, runs: list[tuple[dict, Path]]) -> tuple[dict, Path] | None:
+def _last_good(rec: RunRecord, runs: list[tuple[RunRecord, Path]]) -> tuple[RunRecord, Path] | None:
     """The latest run of the same recipe before `rec` with status ok (what `compare --against last-good` picks)."""
-    start = str(rec.get("started_at") or "")
+    start = rec.started_at or ""
     good = [
         (r, d)
         for r, d in runs
-        if r.get("status") == "ok"
-        and r.get("recipe_name") == rec.get("recipe_name")
-        and r.get("run_id") != rec.get("run_id")
-        and str(r.get("started_at") or "") <= start
+        if r.status == "ok"
+        and r.recipe_name == rec.recipe_name
+        and r.run_id != rec.run_id
+        and (r.started_at or "") <= start
     ]
     return good[-1] if good else None
 
@@ -260,7 +263,7 @@ def _render(data: dict, plots: list[dict]) -> str:
         h=data,
         plots=[{**p, "svg": markupsafe.Markup(p["svg"])} for p in plots],
         gate=lambda a, run_id: next(
-            (p for p in _d(data["artifacts"].get(a)).get("points", []) if p["run_id"] == run_id), None
+            (p for p in (data["artifacts"].get(a) or {}).get("points", []) if p["run_id"] == run_id), None
         ),
     )
 

@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from .run.record import RUN_DONE, RunRecord
+
 MARKER = "mlflow.json"
 PACKAGE_FILES = ("manifest.json", "README.md", "config.json", "generation_config.json", "recipe.yaml")
 FIGURES = (
@@ -76,8 +78,8 @@ def log_run(run_dir: Path, uri: str, experiment: str | None = None) -> dict:
     from .report.summary import summarize
 
     run_dir = Path(run_dir)
-    record = json.loads((run_dir / "run.json").read_text())
-    experiment = experiment or _recipe_experiment(record) or record.get("recipe_name") or "quantpipe"
+    record = RunRecord.read(run_dir / "run.json")
+    experiment = experiment or _recipe_experiment(record) or record.recipe_name or "quantpipe"
     reachable(uri)
     try:
         return _log(run_dir, record, summarize(record), uri, experiment)
@@ -85,17 +87,17 @@ def log_run(run_dir: Path, uri: str, experiment: str | None = None) -> dict:
         raise
     except Exception as e:  # the server went away mid-way, or refused a call: the next push logs the run again
         raise MlflowUnavailable(
-            f"MLflow at {uri} did not take run {record.get('run_id')} ({type(e).__name__}: {str(e)[:300]})"
+            f"MLflow at {uri} did not take run {record.run_id} ({type(e).__name__}: {str(e)[:300]})"
         ) from None
 
 
-def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dict:
+def _log(run_dir: Path, record: RunRecord, s: dict, uri: str, experiment: str) -> dict:
     from mlflow.entities import Metric, Param, RunTag
 
     client = _client(uri)
     exp = client.get_experiment_by_name(experiment)
     exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
-    qp_run = str(record.get("run_id"))
+    qp_run = str(record.run_id)
     for old in client.search_runs([exp_id], f"tags.`quantpipe.run_id` = '{qp_run}'"):
         if old.info.status == "FINISHED":  # logged before, its marker lost: reuse it, log nothing twice
             done = {
@@ -113,15 +115,15 @@ def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dic
     tags = {
         "mlflow.runName": qp_run,
         "quantpipe.run_id": qp_run,
-        "quantpipe.status": str(record.get("status")),
-        "quantpipe.recipe_name": str(record.get("recipe_name")),
+        "quantpipe.status": str(record.status),
+        "quantpipe.recipe_name": str(record.recipe_name),
         "quantpipe.recommended": str(rec.get("choice") or ""),
         "quantpipe.run_dir": str(run_dir.resolve()),
         "mlflow.note.content": rec.get("sentence") or "",
     }
-    run = client.create_run(exp_id, start_time=_ms(record.get("started_at")), tags=tags)
+    run = client.create_run(exp_id, start_time=_ms(record.started_at), tags=tags)
     rid = run.info.run_id
-    ts = _ms(record.get("finished_at")) or int(time.time() * 1000)
+    ts = _ms(record.finished_at) or int(time.time() * 1000)
     params = _params(record, s)
     metrics = [Metric(k, float(v), ts, 0) for k, v in _metrics(record, s).items()]
     for i in range(
@@ -155,7 +157,7 @@ def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dic
             RunTag("quantpipe.gates", json.dumps({r["artifact"]: r["gate"] for r in s["rows"] if not r["baseline"]}))
         ],
     )
-    client.set_terminated(rid, "FINISHED" if record.get("status") in ("ok", "gate_failed") else "FAILED", end_time=ts)
+    client.set_terminated(rid, "FINISHED" if record.status in RUN_DONE else "FAILED", end_time=ts)
     done = {
         "uri": uri,
         "experiment": experiment,
@@ -168,11 +170,11 @@ def _log(run_dir: Path, record: dict, s: dict, uri: str, experiment: str) -> dic
     return done
 
 
-def _register(client, record: dict, r: dict, rid: str, recommended: bool) -> dict:
+def _register(client, record: RunRecord, r: dict, rid: str, recommended: bool) -> dict:
     """The package as a version of the registered model named after the recipe, tagged with its gates."""
     from mlflow.exceptions import MlflowException
 
-    name = str(record.get("recipe_name") or "quantpipe")
+    name = str(record.recipe_name or "quantpipe")
     try:
         client.get_registered_model(name)
     except MlflowException:
@@ -187,7 +189,7 @@ def _register(client, record: dict, r: dict, rid: str, recommended: bool) -> dic
         "gate": str(r["gate"]),
         "gate_failures": "; ".join(r["gate_failures"])[:5000],
         "recommended": str(recommended).lower(),
-        "quantpipe.run_id": str(record.get("run_id")),
+        "quantpipe.run_id": str(record.run_id),
         "package_path": str(r["package"]),
         "manifest_sha256": _sha256(manifest) if manifest.is_file() else "",
     }
@@ -196,7 +198,7 @@ def _register(client, record: dict, r: dict, rid: str, recommended: bool) -> dic
         f"runs:/{rid}/packages/{r['artifact']}",
         run_id=rid,
         tags=tags,
-        description=f"{r['artifact']} ({r.get('method')}) from quantpipe run {record.get('run_id')}",
+        description=f"{r['artifact']} ({r.get('method')}) from quantpipe run {record.run_id}",
     )
     if recommended:
         client.set_registered_model_alias(name, "recommended", mv.version)
@@ -209,26 +211,25 @@ def _register(client, record: dict, r: dict, rid: str, recommended: bool) -> dic
     }
 
 
-def _params(record: dict, s: dict) -> list[tuple[str, str]]:
-    hw = record.get("hardware") or {}
+def _params(record: RunRecord, s: dict) -> list[tuple[str, str]]:
     out = {
-        "recipe_name": record.get("recipe_name"),
-        "recipe_hash": record.get("recipe_hash"),
-        "quantpipe_run_id": record.get("run_id"),
-        "quantpipe_version": (record.get("quantpipe") or {}).get("version"),
-        "git_commit": (record.get("quantpipe") or {}).get("git_commit"),
+        "recipe_name": record.recipe_name,
+        "recipe_hash": record.recipe_hash,
+        "quantpipe_run_id": record.run_id,
+        "quantpipe_version": record.quantpipe.version,
+        "git_commit": record.quantpipe.git_commit,
         "hardware": s["provenance"]["hardware_text"],
-        "hardware.cpus": hw.get("cpus"),
-        "hardware.gpus": "; ".join(hw.get("gpus") or []) or "none",
+        "hardware.cpus": record.hardware.cpus,
+        "hardware.gpus": "; ".join(record.hardware.gpus) or "none",
         "artifacts": ", ".join(r["artifact"] for r in s["rows"] if not r["baseline"]),
     }
-    for env, libs in (record.get("versions") or {}).items():
+    for env, libs in record.versions.items():
         for lib, v in (libs or {}).items() if isinstance(libs, dict) else ():
             out[f"versions.{env}.{lib}"] = v
     return [(k, str(v)[:6000]) for k, v in out.items() if v is not None]
 
 
-def _metrics(record: dict, s: dict) -> dict:
+def _metrics(record: RunRecord, s: dict) -> dict:
     out = {}
     for r in s["rows"]:
         for k in FIGURES:
@@ -240,11 +241,11 @@ def _metrics(record: dict, s: dict) -> dict:
                 out[f"{r['artifact']}/{k}"] = v
         if not r["baseline"]:
             out[f"{r['artifact']}/gate_pass"] = 1.0 if r["gate"] == "PASS" else 0.0
-    for sid, st in (record.get("stages") or {}).items():
-        if isinstance(st, dict) and isinstance(st.get("wall_s"), (int, float)):
-            out[f"stages/{sid.replace(':', '.')}/wall_s"] = st["wall_s"]
-    if isinstance(record.get("wall_s"), (int, float)):
-        out["run/wall_s"] = record["wall_s"]
+    for sid, st in record.stages.items():
+        if st.wall_s is not None:
+            out[f"stages/{sid.replace(':', '.')}/wall_s"] = st.wall_s
+    if record.wall_s is not None:
+        out["run/wall_s"] = record.wall_s
     return out
 
 
@@ -283,13 +284,13 @@ def push_missing(out_dir: Path, uri: str, experiment: str | None = None) -> tupl
     reachable(uri)
     for record, run_dir in load_runs(out_dir):
         if logged(run_dir, uri):
-            there.append(str(record.get("run_id")))
+            there.append(str(record.run_id))
             continue
         log_run(run_dir, uri, experiment)
-        pushed.append(str(record.get("run_id")))
+        pushed.append(str(record.run_id))
     return pushed, there
 
 
-def _recipe_experiment(record: dict) -> str | None:
+def _recipe_experiment(record: RunRecord) -> str | None:
     """The experiment the recipe named (tracking.mlflow.experiment), else None (the recipe's name)."""
-    return (((record.get("recipe") or {}).get("tracking") or {}).get("mlflow") or {}).get("experiment")
+    return ((record.recipe.get("tracking") or {}).get("mlflow") or {}).get("experiment")

@@ -28,7 +28,7 @@ from quantpipe.run.plan import build_steps
 from quantpipe.run.process import RedactFilter as _RedactFilter
 from quantpipe.run.process import redact, secrets
 from quantpipe.run.publish import PublishError, publish
-from quantpipe.run.record import write_record
+from quantpipe.run.record import RunRecord, write_record
 from quantpipe.run.runner import Runner
 from quantpipe.server import Server
 
@@ -296,7 +296,9 @@ def test_secrets_are_redacted_from_stage_logs_run_log_and_run_json(tmp_path, mon
     runner.procs._pump(io.BytesIO(f"token={PLANTED['HF_TOKEN']} key {PLANTED['MY_API_SECRET']}\n".encode()), stage_log)
     assert "***" in stage_log.getvalue() and not any(v in stage_log.getvalue() for v in PLANTED.values())
     (tmp_path / "run").mkdir()
-    write_record(tmp_path / "run", {"error": f"failed with {PLANTED['HUGGING_FACE_HUB_TOKEN']}"}, runner.secret_values)
+    write_record(
+        tmp_path / "run", RunRecord(error=f"failed with {PLANTED['HUGGING_FACE_HUB_TOKEN']}"), runner.secret_values
+    )
     assert PLANTED["HUGGING_FACE_HUB_TOKEN"] not in (tmp_path / "run" / "run.json").read_text()
     rec = logging.LogRecord("quantpipe", logging.INFO, "x", 1, "using %s", (PLANTED["HF_TOKEN"],), None)
     _RedactFilter(secrets()).filter(rec)

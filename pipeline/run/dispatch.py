@@ -25,7 +25,7 @@ from .build import Builder, StageFailed
 from .finish import plain as _plain
 from .plan import Step
 from .process import Processes
-from .record import write_record
+from .record import RunRecord, StageRecord, write_record
 from .schedule import Grant, Scheduler, shares_gpu
 
 log = logging.getLogger("quantpipe.run.runner")  # run.log names the runner for every line of a run
@@ -52,7 +52,14 @@ class StepDispatch:
     def say(self, msg: str) -> None: ...
 
     def _run_steps(
-        self, steps: list[Step], base_dir: str, failed: dict, force: set, run_dir: Path, record: dict, t_start: float
+        self,
+        steps: list[Step],
+        base_dir: str,
+        failed: dict,
+        force: set,
+        run_dir: Path,
+        record: RunRecord,
+        t_start: float,
     ) -> None:
         """Start each stage as soon as its inputs are committed and the scheduler grants it GPUs and memory."""
         ids = {s.id for s in steps}
@@ -67,17 +74,19 @@ class StepDispatch:
             """One stage, or an evaluation with its benchmark (a joint job: one server for both)."""
             t0 = time.time()
 
-            def early(s: Step, rec: dict) -> None:  # a joint job's evaluation, committed while its benchmark goes on
+            def early(s: Step, rec: StageRecord) -> None:
+                """A joint job's evaluation, committed while its benchmark goes on."""
                 job.remove(s)
                 done.put(
                     (
                         s,
-                        rec
-                        | {
-                            "devices": grant.gpus,
-                            "start_s": round(t0 - t_start, 3),
-                            "end_s": round(time.time() - t_start, 3),
-                        },
+                        rec.model_copy(
+                            update={
+                                "devices": grant.gpus,
+                                "start_s": round(t0 - t_start, 3),
+                                "end_s": round(time.time() - t_start, 3),
+                            }
+                        ),
                     )
                 )
 
@@ -94,26 +103,24 @@ class StepDispatch:
                 recs = []
                 for s in job:
                     recs.append(
-                        {
-                            "kind": s.kind,
-                            "artifact": s.artifact,
-                            "env": s.env,
-                            "key": s.key,
-                            "status": "interrupted" if stopped else "failed",
-                            "error": str(e) if stopped else f"{type(e).__name__}: {e}",
-                        }
+                        StageRecord(
+                            kind=s.kind,
+                            artifact=s.artifact,
+                            env=s.env,
+                            key=s.key,
+                            status="interrupted" if stopped else "failed",
+                            error=str(e) if stopped else f"{type(e).__name__}: {e}",
+                        )
                     )
-                    failed[s.id] = recs[-1]["error"]
+                    failed[s.id] = recs[-1].error
             if grant.gate:
                 shutil.rmtree(grant.gate, ignore_errors=True)
             for s, rec in zip(job, recs):  # the job's thread is known by its last step: that one is put last
-                rec |= {
-                    "devices": grant.gpus,
-                    "start_s": round(t0 - t_start, 3),
-                    "end_s": round(time.time() - t_start, 3),
-                }
+                rec.devices = grant.gpus
+                rec.start_s = round(t0 - t_start, 3)
+                rec.end_s = round(time.time() - t_start, 3)
                 if grant.gate and s.kind == "benchmark":
-                    rec["measured_s"] = grant.windows  # when it had its shared GPU alone
+                    rec.measured_s = grant.windows  # when it had its shared GPU alone
                 done.put((s, rec))
 
         try:
@@ -127,14 +134,14 @@ class StepDispatch:
                         pending.remove(s)
                         failed[s.id] = f"skipped: {broken[0]} failed"
                         self.say(f"  [yellow]-[/yellow] {s.id:<24} skipped ({broken[0]} failed)")
-                        record["stages"][s.id] = {
-                            "kind": s.kind,
-                            "artifact": s.artifact,
-                            "env": s.env,
-                            "key": s.key,
-                            "status": "skipped",
-                            "reason": failed[s.id],
-                        }
+                        record.stages[s.id] = StageRecord(
+                            kind=s.kind,
+                            artifact=s.artifact,
+                            env=s.env,
+                            key=s.key,
+                            status="skipped",
+                            reason=failed[s.id],
+                        )
                         continue
                     if any(d not in self.records for d in deps):
                         continue  # an input is not committed yet
@@ -184,11 +191,11 @@ class StepDispatch:
                 if th is not None:
                     th.join()
                     self.scheduler.finish(s.id)
-                rec["preflight"] = {
+                rec.preflight = {
                     "estimate": preflight.record(self.estimates, s.id),
-                    "actual": preflight.actual_peak(rec.get("metrics", {})),
+                    "actual": preflight.actual_peak(rec.metrics),
                 }
-                record["stages"][s.id] = rec
+                record.stages[s.id] = rec
                 write_record(run_dir, record, self.secret_values)
         finally:
             if threads:  # interrupted: stop every running stage, then let their threads clean up their work folders
@@ -220,9 +227,9 @@ class StepDispatch:
 
     def _do_step(
         self, s: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, built=None
-    ) -> dict:
+    ) -> StageRecord:
         """Reuse or build one stage and record it; `built`: what a joint job made of it ((marker, state) or StageFailed)."""
-        rec = {"kind": s.kind, "artifact": s.artifact, "env": s.env, "key": s.key}
+        rec = StageRecord(kind=s.kind, artifact=s.artifact, env=s.env, key=s.key)
         t0 = time.perf_counter()
         forced = is_forced(s, force)
         marker = None if forced or built is not None else self.cache.lookup(s.id, s.key)
@@ -251,14 +258,15 @@ class StepDispatch:
                 failed[s.id] = str(e)
                 after = f" after {time.perf_counter() - t0:.1f}s" if built is None else ""
                 self.say(f"  [red]x[/red] {s.id:<24} FAILED{after}: {_plain(e.summary)}")
-                return {
-                    **rec,
-                    "cache": state,
-                    "status": "failed",
-                    "error": e.summary,
-                    "log": str(e.log_path),
-                    "log_tail": e.tail,
-                }
+                return rec.model_copy(
+                    update={
+                        "cache": state,
+                        "status": "failed",
+                        "error": e.summary,
+                        "log": str(e.log_path),
+                        "log_tail": e.tail,
+                    }
+                )
         else:
             state = "hit"
         out = self.cache.entry(s.id, s.key) / "out"
@@ -267,20 +275,21 @@ class StepDispatch:
         dt = marker.get("wall_s") or 0.0 if built is not None and state != "hit" else time.perf_counter() - t0
         note = f" ({_plain(str(metrics['status_note']))})" if metrics.get("status_note") else ""
         self.say(f"  [green]✓[/green] {s.id:<24} {state:<6} {dt:7.1f}s{note}")
-        return {
-            **rec,
-            "cache": state,
-            "status": "ok",
-            "wall_s": round(dt, 3),
-            "stage_wall_s": marker.get("wall_s"),
-            "metrics": metrics,
-            "out": str(out),
-            **({"placement": marker["placement"]} if "placement" in marker else {}),
-        }
+        return rec.model_copy(
+            update={
+                "cache": state,
+                "status": "ok",
+                "wall_s": round(dt, 3),
+                "stage_wall_s": marker.get("wall_s"),
+                "metrics": metrics,
+                "out": str(out),
+                **({"placement": marker["placement"]} if "placement" in marker else {}),
+            }
+        )
 
     def _do_joint(
         self, e: Step, b: Step, base_dir: str, failed: dict, force: set, run_dir: Path, grant: Grant, early=None
-    ) -> list[dict]:
+    ) -> list[StageRecord]:
         """An artifact's evaluation and benchmark from one serve-environment process, each with its own key and entry.
         `early(step, record)` gets the evaluation's record once committed, so what reads it may start."""
         forced = {s.id: is_forced(s, force) for s in (e, b)}

@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import preflight
 from ..envs import EnvError
 from .dispatch import RunError, is_forced
+from .record import STAGE_OK, ArtifactRecord, RunRecord
 from .runner import EXIT_FAILED, EXIT_GATE, Runner
 
 log = logging.getLogger(__name__)
@@ -185,6 +186,20 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def _record(path: Path) -> RunRecord:
+    """The run's record, or an empty one where run.json is missing or unreadable."""
+    try:
+        return RunRecord.read(path)
+    except (OSError, ValueError):
+        return RunRecord()
+
+
+def _outcome(art: ArtifactRecord) -> dict:
+    """What the record holds of an artifact's outcome (None for what it does not hold)."""
+    held = art.model_dump(exclude_unset=True)
+    return {k: held.get(k) for k in ("method", "gate", "gate_failures", "package")}
+
+
 def write_index(
     where: Path, runners: list[Runner], results: list[dict], t0: float, executor: str, address: str | None
 ) -> list[dict]:
@@ -192,38 +207,34 @@ def write_index(
     from ..report import CompareError, compare_runs
 
     entries, built = [], {}
-    records = [_read(r.run_dir / "run.json") if r.run_dir else {} for r in runners]
+    records = [_record(r.run_dir / "run.json") if r.run_dir else RunRecord() for r in runners]
     for runner, rec in zip(runners, records):
-        for sid, st in rec.get("stages", {}).items():
-            if st.get("cache") in ("miss", "forced", "rebuilt") and st.get("status") == "ok":
-                built[(sid, st.get("key"))] = runner.recipe.name
+        for sid, st in rec.stages.items():
+            if st.cache in ("miss", "forced", "rebuilt") and st.status == STAGE_OK:
+                built[(sid, st.key)] = runner.recipe.name
     for runner, res, rec in zip(runners, results, records):
-        run_dir = runner.run_dir if rec else None
+        run_dir = runner.run_dir if rec.model_fields_set else None  # a run that left no record has no folder to show
         e = {
             "recipe": str(runner.recipe_path),
             "name": runner.recipe.name,
             "output_dir": str(runner.out_dir),
             "exit_code": res["code"],
-            "status": rec.get("status") or ("refused" if "refused" in res else "failed"),
-            "error": res.get("refused") or res.get("error") or rec.get("error"),
-            "run_id": rec.get("run_id"),
+            "status": rec.status or ("refused" if "refused" in res else "failed"),
+            "error": res.get("refused") or res.get("error") or rec.error,
+            "run_id": rec.run_id,
             "run_dir": str(run_dir) if run_dir else None,
-            "wall_s": rec.get("wall_s"),
+            "wall_s": rec.wall_s,
             "report": str(run_dir / "report.html") if run_dir and (run_dir / "report.html").exists() else None,
             "recommendation": {
                 k: (_read(run_dir / "report.json").get("recommendation") or {}).get(k) for k in ("choice", "sentence")
             }
             if run_dir
             else {},
-            "artifacts": {
-                a: {k: v.get(k) for k in ("method", "gate", "gate_failures", "package")}
-                for a, v in rec.get("artifacts", {}).items()
-            },
+            "artifacts": {a: _outcome(v) for a, v in rec.artifacts.items()},
             "reused": {
-                sid: built[(sid, st.get("key"))]
-                for sid, st in rec.get("stages", {}).items()
-                if st.get("cache") == "hit"
-                and built.get((sid, st.get("key")), runner.recipe.name) != runner.recipe.name
+                sid: built[(sid, st.key)]
+                for sid, st in rec.stages.items()
+                if st.cache == "hit" and built.get((sid, st.key), runner.recipe.name) != runner.recipe.name
             },
             "regressions": {},
         }

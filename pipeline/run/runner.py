@@ -33,7 +33,7 @@ from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, redact, secrets
 from .publish import PublishError
-from .record import close_dead_runs, index_run, new_run_dir, write_record
+from .record import RunRecord, close_dead_runs, index_run, new_run_dir, write_record
 from .schedule import Scheduler, default_jobs, gpus
 
 log = logging.getLogger(__name__)
@@ -173,23 +173,23 @@ class Runner(StepDispatch):
         logging.getLogger("quantpipe").addHandler(handler)
         close_dead_runs(self.out_dir, run_dir, self.secret_values)
         recipe_json = self.recipe.model_dump(mode="json")
-        record = {
-            "run_id": run_id,
-            "recipe_name": self.recipe.name,
-            "recipe_path": str(self.recipe_path.resolve()),
-            "recipe_hash": hash_json(recipe_json)[:16],
-            "recipe": recipe_json,
-            "status": "running",
-            "started_at": _iso(t_start),
-            "quantpipe": {"version": __version__, "git_commit": git_commit()},
-            "versions": {e: versions(e) for e in ("quantize", "serve")},
-            "hardware": hardware(),
-            "cache_dir": str(self.cache.root),
-            "stages": {},
-            "artifacts": {},
-            "available": self.available,
-            "scheduler": {"gpus": [g.index for g in self.gpus], "jobs": self.scheduler.jobs},
-        }
+        record = RunRecord(
+            run_id=run_id,
+            recipe_name=self.recipe.name,
+            recipe_path=str(self.recipe_path.resolve()),
+            recipe_hash=hash_json(recipe_json)[:16],
+            recipe=recipe_json,
+            status="running",
+            started_at=_iso(t_start),
+            quantpipe={"version": __version__, "git_commit": git_commit()},
+            versions={e: versions(e) for e in ("quantize", "serve")},
+            hardware=hardware(),
+            cache_dir=str(self.cache.root),
+            stages={},
+            artifacts={},
+            available=self.available,
+            scheduler={"gpus": [g.index for g in self.gpus], "jobs": self.scheduler.jobs},
+        )
         write_record(run_dir, record, self.secret_values)
         old_handlers = self._trap_signals()
         try:
@@ -202,20 +202,20 @@ class Runner(StepDispatch):
             except PublishError as e:
                 raise RunError(str(e)) from None
         except BaseException as e:
-            record["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
-            record["error"] = redact(f"{type(e).__name__}: {e}", self.secret_values)
+            record.status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            record.error = redact(f"{type(e).__name__}: {e}", self.secret_values)
             raise
         finally:
             self.procs.stop_all()
-            record["finished_at"] = _iso(time.time())
-            record["wall_s"] = round(time.time() - t_start, 2)
+            record.finished_at = _iso(time.time())
+            record.wall_s = round(time.time() - t_start, 2)
             write_record(run_dir, record, self.secret_values)
             index_run(self.out_dir, record, run_dir)
             self._restore_signals(old_handlers)
             logging.getLogger("quantpipe").removeHandler(handler)
             handler.close()
         self.say(f"run.json: {run_dir / 'run.json'}")
-        return {"ok": 0, "gate_failed": EXIT_GATE}.get(record["status"], EXIT_FAILED)
+        return {"ok": 0, "gate_failed": EXIT_GATE}.get(record.status, EXIT_FAILED)
 
     def _trap_signals(self):
         def handler(signum, frame):
