@@ -41,9 +41,10 @@ def _after_run(console, runner, tracking, refresh_history: bool, plain: bool) ->
         summary = json.loads((run_dir / "report.json").read_text())
     except (OSError, ValueError):  # the report failed (the run says so): summarize the record itself
         from .report import summarize
+        from .run.record import RunRecord
 
         try:
-            summary = summarize(json.loads((run_dir / "run.json").read_text()))
+            summary = summarize(RunRecord.read(run_dir / "run.json"))
         except (OSError, ValueError):
             return
     report = run_dir / "report.html"

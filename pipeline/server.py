@@ -29,9 +29,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .ports import HOST, free_port, port_freed, port_in_use  # noqa: F401  (also importable from here)
+from .ports import HOST, free_port, port_freed
 from .server_output import failure_reason, parse_metrics
-from .serving_links import stable_path  # noqa: F401  (quantpipe.server.stable_path, as scripts import it)
 
 MARKER_ENV = "QUANTPIPE_SERVER_ID"
 IPC_TMPDIR_MAX = (
@@ -47,7 +46,7 @@ class ServerDied(RuntimeError):
         self.reason, self.log_tail = reason, log_tail
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def set_pdeathsig() -> None:  # runs in the child between fork and exec
     try:
         import ctypes
 
@@ -160,7 +159,7 @@ class Server:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
-            preexec_fn=_set_pdeathsig,
+            preexec_fn=set_pdeathsig,
         )
         self._stop_sampling.clear()
         self._sampler = threading.Thread(target=self._sample_loop, name="server-sampler", daemon=True)

@@ -2,7 +2,7 @@
 metrics where it completed, the recipe's workload, SLO and gates. A malformed part reads as missing, so one damaged
 field cannot sink the report or a comparison.
 
-    ev = EvaluateFigures.of(record, "int8")
+    ev = EvaluateFigures.of(record, "evaluate:int8")
     [(c.task, c.recovery) for c in ev.comparison]     # [("arc_easy", 0.99), ...]
 """
 

@@ -25,14 +25,14 @@ CLI_MODULES = ("collect_env", "download_kernels", "launch", "openai", "preload",
 
 def run_logged(cmd: list[str], log_path: Path) -> int:
     """Run a vLLM CLI command with its output in `log_path`; on Ctrl-C or SIGTERM end it before re-raising."""
-    from ...server import _set_pdeathsig
+    from ...server import set_pdeathsig
 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as logf:
         logf.write("$ " + " ".join(cmd) + "\n")
         logf.flush()
         p = subprocess.Popen(
-            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_set_pdeathsig
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=set_pdeathsig
         )
         try:
             return p.wait()
@@ -79,7 +79,7 @@ class BenchClient:
             self._start()
 
     def _start(self) -> subprocess.Popen:
-        from ...server import _set_pdeathsig
+        from ...server import set_pdeathsig
 
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._ready = False
@@ -90,7 +90,7 @@ class BenchClient:
                 stdout=subprocess.PIPE,
                 stderr=logf,
                 text=True,
-                preexec_fn=_set_pdeathsig,
+                preexec_fn=set_pdeathsig,
             )
         return self._proc
 

@@ -20,7 +20,7 @@ from ...common.vllm_support import LINEAR_KERNEL, engine_flags
 from ...recipe import Benchmark, Workload
 from ...server import Server, ServerDied
 from .bench_serve import bench_serve_args, require_completed, row_from_vllm, slo_goodput_args, slo_met, vllm_bench_serve
-from .client import BenchClient, run_logged  # noqa: F401  (run_logged: also for offline.py)
+from .client import BenchClient
 from .server_metrics import counters, engine_stats, kv_gib, kv_tokens, loaded_weights_gib, weights_gib
 from .startup import startup_phases
 from .stats import prompts_for, widest_half_width

@@ -13,7 +13,7 @@ from pathlib import Path
 from ...common.vllm_support import engine_flags
 from ...recipe import Workload
 from ...server_output import failure_reason
-from .measure import run_logged
+from .client import run_logged
 
 
 def offline(model: Path, engine: dict, w: Workload, out: Path) -> dict:
