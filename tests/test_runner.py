@@ -124,6 +124,30 @@ def test_vllm_backend_pairs_each_evaluation_with_its_benchmark_and_keeps_their_k
     assert not any(s.joint for s in build_steps(r, r.base.model))
 
 
+def test_keys_follow_what_the_host_computes_in(fake, monkeypatch):
+    """Quantize and evaluate compute in float32 on a CPU without fast bfloat16 kernels and in bfloat16 where it has them
+    (and on a GPU): a cache shared by such hosts gives neither one the other's weights or figures. The merge (float32
+    everywhere) and the baseline's benchmark (keyed by the hardware itself) keep their keys."""
+    import quantpipe.common.compute as compute
+    import quantpipe.envs as envs
+
+    monkeypatch.setattr(envs, "hardware", lambda: {"gpus": []})
+    monkeypatch.setattr(compute, "cpu_flags", lambda: {"avx2", "fma"})
+    d = recipe_dict()
+    d["base"]["dtype"] = "bfloat16"
+    k_avx2 = keys(fake, d)
+    monkeypatch.setattr(compute, "cpu_flags", lambda: set(compute.AVX512_CORE))
+    k_avx512 = keys(fake, d)
+    assert changed(k_avx2, k_avx512) == sorted(set(k_avx2) - {"merge", "benchmark:baseline"})
+    monkeypatch.setattr(envs, "hardware", lambda: {"gpus": [{"name": "H100"}]})
+    assert changed(k_avx512, keys(fake, d)) == sorted(set(k_avx2) - {"merge"})  # the benchmark's hardware too
+    d["base"]["dtype"] = "float32"  # no half dtype: every CPU computes alike
+    monkeypatch.setattr(envs, "hardware", lambda: {"gpus": []})
+    k32 = keys(fake, d)
+    monkeypatch.setattr(compute, "cpu_flags", lambda: {"avx2", "fma"})
+    assert keys(fake, d) == k32
+
+
 def test_gates_change_reruns_nothing(fake):
     d = recipe_dict()
     k1 = keys(fake, d)

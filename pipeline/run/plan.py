@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cache import hash_json
+from ..common.compute import compute_dtype
 from ..envs import hardware_key, lock_hash, source_hash, stage_env
 from ..recipe import Recipe, Strict
 from ..stages.contract import BenchmarkInput, EvaluateInput, MergeInput, PackageInput, QuantizeInput
@@ -33,6 +34,15 @@ def lm_eval_backend(lm_eval) -> str:
     return "vllm" if hardware()["gpus"] else "hf"
 
 
+def compute_target(dtype: str) -> str:
+    """What quantize's weights and evaluate's figures depend on beyond the recipe: "gpu" on a host with a CUDA GPU, else
+    "cpu DTYPE" with the dtype a CPU computes a `dtype` model in (float32 where that half dtype has no fast kernels,
+    common/compute.py). In the stage keys, so a cache shared by hosts that compute differently never mixes their results."""
+    from ..envs import hardware
+
+    return "gpu" if hardware()["gpus"] else f"cpu {compute_dtype(dtype, 'cpu')}"
+
+
 def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, backend: str | None = None):
     """The typed input of one stage: what of the recipe it reads, with base.model the local base directory."""
     r = recipe
@@ -40,7 +50,9 @@ def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, 
     if kind == "merge":
         return MergeInput(base=base, adapters=r.adapters)
     if kind == "quantize":
-        return QuantizeInput(artifact=_artifact(r, artifact), calibration=r.calibration, base=base)
+        return QuantizeInput(
+            artifact=_artifact(r, artifact), calibration=r.calibration, base=base, compute=compute_target(base.dtype)
+        )
     if kind == "evaluate":
         ev = r.evaluation
         method = "none" if artifact == "baseline" else _artifact(r, artifact).method
@@ -55,6 +67,7 @@ def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, 
             fidelity=ev.fidelity,
             add_bos=ev.add_bos,
             bootstrap_samples=ev.bootstrap_samples,
+            compute=compute_target(base.dtype),
         )
     if kind == "benchmark":
         method = "none" if artifact == "baseline" else _artifact(r, artifact).method

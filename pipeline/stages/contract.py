@@ -38,6 +38,7 @@ class QuantizeInput(Strict):
     artifact: Artifact
     calibration: Calibration | None = None
     base: Base
+    compute: str  # what its weights depend on beyond the recipe: "gpu", or "cpu DTYPE" (run.plan.compute_target)
 
 
 class EvaluateInput(Strict):
@@ -50,6 +51,7 @@ class EvaluateInput(Strict):
     fidelity: Fidelity | None = None  # held-out documents; None: fidelity on the validation references
     add_bos: bool | None = None
     bootstrap_samples: int = 1000
+    compute: str  # what its figures depend on beyond the recipe: "gpu", or "cpu DTYPE" (run.plan.compute_target)
 
 
 class BenchmarkInput(Strict):
