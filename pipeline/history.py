@@ -56,7 +56,7 @@ def load_runs(out_dir: Path, last: int | None = None) -> list[tuple[RunRecord, P
             raw = json.loads(f.read_text())
         except (OSError, ValueError):
             continue  # a damaged record is skipped, not fatal: the others still make a history
-        if isinstance(raw, dict) and isinstance(raw.get("stages"), dict):
+        if RunRecord.is_record(raw):
             rec = RunRecord.of(raw)
             if rec.status in DONE:
                 found.append((rec, f.parent))

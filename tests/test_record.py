@@ -92,3 +92,25 @@ def test_every_recorded_run_reads_back_field_for_field():
     assert len(runs) >= 3
     for r in runs:
         assert json.dumps(RunRecord.of(r).to_json(), sort_keys=True) == json.dumps(r, sort_keys=True)
+
+
+def test_compare_and_history_take_the_same_json_for_a_run_record(tmp_path):
+    """One rule (`RunRecord.is_record`): `quantpipe compare` refuses what history skips, and takes what history shows."""
+    import pytest
+
+    from quantpipe.history import load_runs
+    from quantpipe.report.records import CompareError
+    from quantpipe.report.run_lookup import load_run
+
+    _written(tmp_path)
+    (tmp_path / "runs" / "r1" / "run.json").write_text(
+        json.dumps(json.loads((tmp_path / "runs" / "r1" / "run.json").read_text()) | {"status": "ok"})
+    )
+    for i, raw in enumerate(({"run_id": "a"}, {"run_id": "b", "stages": []}, ["stages"])):
+        d = tmp_path / "runs" / f"z{i}"
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps(raw))
+        with pytest.raises(CompareError, match="not a quantpipe run record"):
+            load_run(d)
+    assert [rec.run_id for rec, _ in load_runs(tmp_path)] == ["r1"]
+    assert load_run(tmp_path / "runs" / "r1")[0].run_id == "r1"

@@ -24,8 +24,10 @@ def load_run(path: Path) -> tuple[RunRecord, Path]:
         record = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise CompareError(f"{f}: cannot read it as JSON ({e}); the run record is damaged") from None
-    if not isinstance(record, dict) or "stages" not in record:
-        raise CompareError(f"{f}: not a quantpipe run record (no `stages`)")
+    if not RunRecord.is_record(record):
+        raise CompareError(
+            f"{f}: not a quantpipe run record (no `stages` object); give a run.json that `quantpipe run` wrote"
+        )
     return RunRecord.of(record), f.parent
 
 

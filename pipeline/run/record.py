@@ -107,6 +107,11 @@ class RunRecord(Lenient):
             record if isinstance(record, RunRecord) else cls.model_validate(record if isinstance(record, dict) else {})
         )
 
+    @staticmethod
+    def is_record(raw) -> bool:
+        """JSON read from a run.json is a run record: an object whose `stages` is an object, as quantpipe writes it."""
+        return isinstance(raw, dict) and isinstance(raw.get("stages"), dict)
+
     @classmethod
     def read(cls, path: Path) -> RunRecord:
         """run.json read back; OSError / ValueError when the file is missing or not JSON."""
