@@ -16,9 +16,7 @@ from .records import (
     EvaluateFigures,
     ServeResult,
     Validation,
-    accuracy_rows,
     artifact_names,
-    recovery_halfwidth,
 )
 from .run_lookup import last_good, load_run
 
@@ -129,14 +127,14 @@ def _compare_outcome(name: str, a: RunRecord, b: RunRecord, out: dict) -> None:
 
 def _compare_accuracy(ea: EvaluateFigures, eb: EvaluateFigures, out: dict) -> None:
     """Recovery per task/metric, judged against the wider CI half-width."""
-    rows_b = {(r["task"], r["metric"]): r for r in accuracy_rows(eb)}
-    for ra in accuracy_rows(ea):
-        rb = rows_b.get((ra["task"], ra["metric"]))
-        if not rb or ra["recovery"] is None or rb["recovery"] is None:
+    rows_b = {(c.task, c.metric): c for c in eb.comparison}
+    for ra in ea.comparison:
+        rb = rows_b.get((ra.task, ra.metric))
+        if not rb or ra.recovery is None or rb.recovery is None:
             continue
-        hws = [h for h in (recovery_halfwidth(ra), recovery_halfwidth(rb)) if h is not None]
+        hws = [h for h in (ra.halfwidth(), rb.halfwidth()) if h is not None]
         tol = max(hws) if hws else None
-        d = ra["recovery"] - rb["recovery"]
+        d = ra.recovery - rb.recovery
         verdict = (
             "not judged (no CI)"
             if tol is None
@@ -144,12 +142,12 @@ def _compare_accuracy(ea: EvaluateFigures, eb: EvaluateFigures, out: dict) -> No
         )
         out["accuracy"].append(
             {
-                "task": ra["task"],
-                "metric": ra["metric"],
-                "recovery_b": rb["recovery"],
-                "recovery_a": ra["recovery"],
-                "score_b": rb["value"],
-                "score_a": ra["value"],
+                "task": ra.task,
+                "metric": ra.metric,
+                "recovery_b": rb.recovery,
+                "recovery_a": ra.recovery,
+                "score_b": rb.artifact,
+                "score_a": ra.artifact,
                 "delta": d,
                 "noise": tol,
                 "verdict": verdict,
@@ -157,7 +155,7 @@ def _compare_accuracy(ea: EvaluateFigures, eb: EvaluateFigures, out: dict) -> No
         )
         if verdict == "regression":
             out["regressions"].append(
-                f"{ra['task']}/{ra['metric']} recovery {rb['recovery']:.3f} -> {ra['recovery']:.3f} ({d:+.3f}, beyond the CI ±{tol:.3f})"
+                f"{ra.task}/{ra.metric} recovery {rb.recovery:.3f} -> {ra.recovery:.3f} ({d:+.3f}, beyond the CI ±{tol:.3f})"
             )
 
 

@@ -53,6 +53,30 @@ class Comparison(Lenient):
     n: Int = None
     flip_rate: Num = None
 
+    def halfwidth(self) -> float | None:
+        """Half-width of the 95% CI in recovery units: the CI is on the recovery if it brackets it, else on the score;
+        without a CI, a binomial one on the score (floored so that a perfect score still has a width)."""
+        ci, rec, base = self.ci95, self.recovery, self.baseline
+        if ci is None:
+            n, p = self.n, self.artifact
+            if n is not None and n > 0 and p is not None and 0 <= p <= 1 and base:
+                return 1.96 * math.sqrt(max(p * (1 - p), 1 / n) / n) / base
+            return None
+        hw = (ci[1] - ci[0]) / 2
+        if rec is not None and ci[0] - 1e-9 <= rec <= ci[1] + 1e-9:
+            return hw
+        return hw / base if base else None
+
+    def recovery_interval(self) -> list[float] | None:
+        """The 95% interval on the recovery: as recorded when it brackets the recovery, else ± `halfwidth()`."""
+        hw = self.halfwidth()
+        if self.recovery is None or hw is None:
+            return None
+        ci = self.ci95
+        if ci and ci[0] - 1e-9 <= self.recovery <= ci[1] + 1e-9:
+            return list(ci)
+        return [self.recovery - hw, self.recovery + hw]
+
 
 class Fidelity(Lenient):
     kl_mean: Num = None
@@ -251,19 +275,3 @@ def accuracy_rows(ev: EvaluateFigures) -> list[dict]:
         }
         for c in ev.comparison
     ]
-
-
-def recovery_halfwidth(c: dict) -> float | None:
-    """Half-width of the 95% CI in recovery units: the CI is on the recovery if it brackets it, else on the score."""
-    ci, rec, base = c.get("ci95"), c.get("recovery"), c.get("baseline")
-    if ci is None:
-        n, p = c.get("n"), c.get("value")
-        if isinstance(n, int) and n > 0 and p is not None and 0 <= p <= 1 and base:
-            return (
-                1.96 * math.sqrt(max(p * (1 - p), 1 / n) / n) / base
-            )  # binomial, floored so a perfect score still has width
-        return None
-    hw = (ci[1] - ci[0]) / 2
-    if rec is not None and ci[0] - 1e-9 <= rec <= ci[1] + 1e-9:
-        return hw
-    return hw / base if base else None

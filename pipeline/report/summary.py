@@ -15,7 +15,6 @@ from .records import (
     RecipeFacts,
     accuracy_rows,
     artifact_names,
-    recovery_halfwidth,
     serve_rows,
 )
 
@@ -119,14 +118,6 @@ def _fidelity_basis(fid: Fidelity) -> dict | None:
     }
 
 
-def _recovery_interval(c: dict, hw: float) -> list[float]:
-    """The worst task's CI on the recovery: as recorded when it brackets the recovery, else ± its half-width."""
-    ci = c.get("ci95")
-    if ci and ci[0] - 1e-9 <= c["recovery"] <= ci[1] + 1e-9:
-        return list(ci)
-    return [c["recovery"] - hw, c["recovery"] + hw]
-
-
 def _goodput_interval(bench: BenchmarkFigures) -> list[float] | None:
     """The 95% interval of the goodput at the best point, where the benchmark records one."""
     ci = bench.best.goodput_ci95
@@ -161,9 +152,8 @@ def _row(record: RunRecord, name: str, methods: dict, base_size, bval_score, wor
     bench = BenchmarkFigures.of(record, f"benchmark:{name}")
     variant, serve = serve_rows(bench, workload.get("name"))
     acc = accuracy_rows(ev)
-    recs = [a["recovery"] for a in acc if a["recovery"] is not None]
-    worst = min((a for a in acc if a["recovery"] is not None), key=lambda a: a["recovery"], default=None)
-    hw = recovery_halfwidth(worst) if worst else None
+    recs = [c.recovery for c in ev.comparison if c.recovery is not None]
+    worst = min((c for c in ev.comparison if c.recovery is not None), key=lambda c: c.recovery, default=None)
     val = ev.validation.model_dump(exclude_unset=True) or None if ev.validation else None
     val_score = ev.validation.score if ev.validation else None
     val_rec = val_score / bval_score if val_score is not None and bval_score else None
@@ -184,8 +174,8 @@ def _row(record: RunRecord, name: str, methods: dict, base_size, bval_score, wor
         "compression": 1.0 if is_base and base_size else q.compression,
         "accuracy": acc,
         "recovery": 1.0 if is_base else (min(recs) if recs else val_rec),
-        "recovery_ci": None if is_base or hw is None else _recovery_interval(worst, hw),
-        "worst_task": f"{worst['task']}/{worst['metric']}" if worst and not is_base else None,
+        "recovery_ci": None if is_base or worst is None else worst.recovery_interval(),
+        "worst_task": f"{worst.task}/{worst.metric}" if worst and not is_base else None,
         "validation": val,
         "validation_recovery": 1.0 if is_base and val else val_rec,
         "kl_mean": fid.kl_mean,
