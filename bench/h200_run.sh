@@ -35,7 +35,9 @@
 #                                              QP_ARTIFACTS=gptq-w4a16,awq-w4a16 builds only those (`--artifacts`);
 #                                              QP_WARM=1: the second run from an empty stage cache on the warm host;
 #                                              QP_WARMUP=RECIPE: the first run is that lighter recipe (same shape, schemes,
-#                                              engine); QP_JOBS: --jobs; QP_STAGE_TIMEOUT: minutes (default 10)
+#                                              engine); QP_JOBS: --jobs; QP_STAGE_TIMEOUT: minutes (default 10);
+#                                              QP_RESTARTS=N: after the first run, N times every benchmark again
+#                                              (`--stages benchmark --force benchmark`: fresh servers on the warm host)
 #   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly`, `one-gpu` or `recipe` (at most SECONDS), print its
 #                                              progress and put every run.json, report, stage result and log in $OUT
 # Every phase prints its wall time; `run` leaves run.json, report.md/json and a log tarball in $OUT.
@@ -159,6 +161,10 @@ _recipe)
     tail -5 $L/R1.log; python3 -m quantpipe run --stage-timeout 10 $R --artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16} > $L/R1b.log 2>&1
     stamp "R1b (--artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16}) rc=$?"
   fi
+  for i in $(seq 1 "${QP_RESTARTS:-0}"); do  # the spread between server starts on one host, beside each run's intervals
+    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" --stages benchmark --force benchmark > $L/S$i.log 2>&1
+    stamp "S$i (every benchmark again from fresh servers) rc=$?"
+  done
   if [ -n "${QP_WARM:-}" ]; then  # the nightly case: an empty stage cache on a host whose compile and kernel caches are warm
     mkdir -p $L/R1-cache && (cd "$QUANTPIPE_CACHE" && find . -type f \( -name '*.json' -o -name '*.log' \) -size -8M | tar cf - -T - | tar xf - -C $L/R1-cache)
     rm -rf "$QUANTPIPE_CACHE"; stamp "stage cache emptied (its records in $L/R1-cache)"
