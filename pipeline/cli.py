@@ -130,6 +130,11 @@ def verify(package_dir):
     """Re-hash every file of a package against its manifest.json; exit 1 naming any mismatch."""
     from .stages.package import verify_package
 
+    where = "give a package directory (<output_dir>/packages/<artifact>)"
+    if not Path(package_dir).is_dir():
+        raise BadInput(f"{package_dir}: not a directory; {where}")
+    if not (Path(package_dir) / "manifest.json").exists():
+        raise BadInput(f"{package_dir}: no manifest.json there, so not a quantpipe package; {where}")
     problems = verify_package(Path(package_dir))
     if problems:
         for p in problems:

@@ -414,6 +414,22 @@ def test_verify_without_manifest(tmp_path):
     assert verify_package(tmp_path / "nope")[0].endswith("not a directory")
 
 
+def test_verify_refuses_what_is_not_a_package_as_bad_input(tmp_path):
+    """Exit 2 naming the fix for a path that is no package; exit 1 stays for a package that does not verify."""
+    from click.testing import CliRunner
+
+    from quantpipe.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    for path, says in ((tmp_path / "nope", "not a directory"), (tmp_path, "no manifest.json there")):
+        r = CliRunner().invoke(main, ["verify", str(path)])
+        assert r.exit_code == 2 and says in r.output and "<output_dir>/packages/<artifact>" in r.output
+    (tmp_path / "manifest.json").write_text("{not json")
+    r = CliRunner().invoke(main, ["verify", str(tmp_path)])
+    assert r.exit_code == 1 and "manifest.json: missing or unreadable" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "manifest.json"]
+
+
 def test_parse_size_reads_the_units_max_shard_size_allows():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("1.5 KB") == 1500
     with pytest.raises(StageError, match="not a size"):

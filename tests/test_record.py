@@ -112,5 +112,8 @@ def test_compare_and_history_take_the_same_json_for_a_run_record(tmp_path):
         (d / "run.json").write_text(json.dumps(raw))
         with pytest.raises(CompareError, match="not a quantpipe run record"):
             load_run(d)
+    (tmp_path / "recipe.yaml").write_text("name: x\n")
+    with pytest.raises(CompareError, match=r"not JSON .*give a run directory"):
+        load_run(tmp_path / "recipe.yaml")
     assert [rec.run_id for rec, _ in load_runs(tmp_path)] == ["r1"]
     assert load_run(tmp_path / "runs" / "r1")[0].run_id == "r1"

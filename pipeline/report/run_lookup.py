@@ -23,7 +23,10 @@ def load_run(path: Path) -> tuple[RunRecord, Path]:
     try:
         record = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise CompareError(f"{f}: cannot read it as JSON ({e}); the run record is damaged") from None
+        raise CompareError(
+            f"{f}: not JSON ({e}), so not a run record (or a damaged one); give a run directory "
+            "(<output_dir>/runs/<run_id>) or its run.json"
+        ) from None
     if not RunRecord.is_record(record):
         raise CompareError(
             f"{f}: not a quantpipe run record (no `stages` object); give a run.json that `quantpipe run` wrote"
