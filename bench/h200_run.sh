@@ -33,6 +33,7 @@
 #   bench/h200_run.sh recipe [RECIPE]          one H200, detached: RECIPE (default the 8B shape's whole recipe) in one
 #                                              `quantpipe run` from an empty stage cache, then its unchanged re-run;
 #                                              QP_ARTIFACTS=gptq-w4a16,awq-w4a16 builds only those (`--artifacts`);
+#                                              QP_STAGES=benchmark runs only those stages and what they need;
 #                                              QP_WARM=1: the second run from an empty stage cache on the warm host;
 #                                              QP_WARMUP=RECIPE: the first run is that lighter recipe (same shape, schemes,
 #                                              engine); QP_JOBS: --jobs; QP_STAGE_TIMEOUT: minutes (default 10);
@@ -150,7 +151,7 @@ _recipe)
   R=$1 L=/tmp/qp/log
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   df -h /tmp
-  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_JOBS:+--jobs $QP_JOBS})
+  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_STAGES:+--stages $QP_STAGES} ${QP_JOBS:+--jobs $QP_JOBS})
   limit=${QP_STAGE_TIMEOUT:-10}  # minutes
   if [ -n "${QP_WARMUP:-}" ]; then  # R1 warms the host with a lighter recipe of the same shape, schemes and engine
     python3 -m quantpipe run --stage-timeout $limit $QP_WARMUP "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (warm-up $QP_WARMUP) rc=$rc"
