@@ -140,7 +140,14 @@ def test_keys_follow_what_the_host_computes_in(fake, monkeypatch):
     k_avx512 = keys(fake, d)
     assert changed(k_avx2, k_avx512) == sorted(set(k_avx2) - {"merge", "benchmark:baseline"})
     monkeypatch.setattr(envs, "hardware", lambda: {"gpus": [{"name": "H100"}]})
-    assert changed(k_avx512, keys(fake, d)) == sorted(set(k_avx2) - {"merge"})  # the benchmark's hardware too
+    k_gpu = keys(fake, d)
+    assert changed(k_avx512, k_gpu) == sorted(set(k_avx2) - {"merge"})  # the benchmark's hardware too
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the GPU hidden: computed on the CPU, keyed so
+    hidden = keys(fake, d)
+    assert [k for k in changed(k_avx512, hidden) if k.split(":")[0] in ("quantize", "evaluate")] == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert keys(fake, d) == k_gpu
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     d["base"]["dtype"] = "float32"  # no half dtype: every CPU computes alike
     monkeypatch.setattr(envs, "hardware", lambda: {"gpus": []})
     k32 = keys(fake, d)

@@ -6,6 +6,7 @@ steps = build_steps(recipe, base_dir)     # merge, evaluate:baseline, benchmark:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,18 +30,24 @@ def lm_eval_backend(lm_eval) -> str:
         return "hf"
     if lm_eval.backend == "vllm":
         return "vllm"
-    from ..envs import hardware
-
-    return "vllm" if hardware()["gpus"] else "hf"
+    return "vllm" if has_gpu() else "hf"
 
 
 def compute_target(dtype: str) -> str:
     """What quantize's weights and evaluate's figures depend on beyond the recipe: "gpu" on a host with a CUDA GPU, else
     "cpu DTYPE" with the dtype a CPU computes a `dtype` model in (float32 where that half dtype has no fast kernels,
     common/compute.py). In the stage keys, so a cache shared by hosts that compute differently never mixes their results."""
+    return "gpu" if has_gpu() else f"cpu {compute_dtype(dtype, 'cpu')}"
+
+
+def has_gpu() -> bool:
+    """The stages compute on a CUDA GPU: nvidia-smi lists one and CUDA_VISIBLE_DEVICES, where set, leaves one visible
+    (set to "" or "-1" it hides them all, and the stages compute on the CPU)."""
     from ..envs import hardware
 
-    return "gpu" if hardware()["gpus"] else f"cpu {compute_dtype(dtype, 'cpu')}"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hidden = visible is not None and not any(v.strip() and not v.strip().startswith("-") for v in visible.split(","))
+    return bool(hardware()["gpus"]) and not hidden
 
 
 def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, backend: str | None = None):
