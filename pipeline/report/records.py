@@ -56,14 +56,14 @@ class Comparison(Lenient):
     def halfwidth(self) -> float | None:
         """Half-width of the 95% CI in recovery units: the CI is on the recovery if it brackets it, else on the score;
         without a CI, a binomial one on the score (floored so that a perfect score still has a width)."""
-        ci, rec, base = self.ci95, self.recovery, self.baseline
+        ci, base = self.ci95, self.baseline
         if ci is None:
             n, p = self.n, self.artifact
             if n is not None and n > 0 and p is not None and 0 <= p <= 1 and base:
                 return 1.96 * math.sqrt(max(p * (1 - p), 1 / n) / n) / base
             return None
         hw = (ci[1] - ci[0]) / 2
-        if rec is not None and ci[0] - 1e-9 <= rec <= ci[1] + 1e-9:
+        if self._ci_on_recovery():
             return hw
         return hw / base if base else None
 
@@ -72,10 +72,14 @@ class Comparison(Lenient):
         hw = self.halfwidth()
         if self.recovery is None or hw is None:
             return None
-        ci = self.ci95
-        if ci and ci[0] - 1e-9 <= self.recovery <= ci[1] + 1e-9:
-            return list(ci)
+        if self._ci_on_recovery():
+            return list(self.ci95)
         return [self.recovery - hw, self.recovery + hw]
+
+    def _ci_on_recovery(self) -> bool:
+        """The recorded CI brackets the recovery, so it is an interval on the recovery (else on the score)."""
+        ci, rec = self.ci95, self.recovery
+        return ci is not None and rec is not None and ci[0] - 1e-9 <= rec <= ci[1] + 1e-9
 
 
 class Fidelity(Lenient):
