@@ -202,7 +202,7 @@ def _benchmark(st: _Stage, now: float) -> str | None:
         return None
     srv = max(servers, key=lambda f: f.first_seen)
     _follow(srv)
-    name = srv.path.stem.removeprefix("server-")
+    name = _variant(srv.path.stem.removeprefix("server-"))
     if not srv.up:
         return f"server {name} starting ({now - srv.first_seen:.0f} s)"
     benches = [
@@ -222,10 +222,18 @@ def _benchmark(st: _Stage, now: float) -> str | None:
     return f"{label}: {sent} requests sent"
 
 
+def _variant(name: str) -> str:
+    """A variant as the line names it: 'default-start2' (`benchmark.server_starts`) -> 'default (start 2)'."""
+    return re.sub(r"^default-start(\d+)$", r"default (start \1)", name)
+
+
 def _bench_label(stem: str, spec: dict) -> str:
-    """'default-fixed-c16-r1' -> 'fixed c=16, run 2', splitting on the recipe's variant names (the default one unnamed)."""
+    """'default-fixed-c16-r1' -> 'fixed c=16, run 2', splitting on the recipe's variant names (the default one unnamed;
+    'default-start2-fixed-c4' -> 'default (start 2): fixed c=4')."""
     bench = (spec.get("input") or {}).get("benchmark") or {}
     variants = ["default", *[v.get("name") for v in bench.get("variants") or [] if isinstance(v, dict)], "lora"]
+    starts = bench.get("server_starts")
+    variants += [f"default-start{k}" for k in range(2, starts + 1)] if isinstance(starts, int) else []
     m = re.match(r"^(?P<rest>.+?)-(?:c(?P<c>\d+)|r(?P<rate>\d+(?:\.\d+)?))(?:-r(?P<run>\d+))?$", stem)
     if not m:
         return stem
@@ -234,7 +242,7 @@ def _bench_label(stem: str, spec: dict) -> str:
     rest = m["rest"]
     for v in sorted(variants, key=len, reverse=True):
         if rest.startswith(f"{v}-"):
-            return f"{'' if v == 'default' else v + ': '}{rest[len(v) + 1 :]} {load}{run}"
+            return f"{'' if v == 'default' else _variant(v) + ': '}{rest[len(v) + 1 :]} {load}{run}"
     return f"{rest} {load}{run}"
 
 

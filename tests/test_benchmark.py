@@ -324,6 +324,88 @@ def test_a_point_wider_than_the_precision_asks_for_requests_in_proportion_to_its
     assert widest_half_width(row) == 0.1  # TPOT's ±10 %, not TTFT's ±80 % (queueing) nor throughput's ±5 %
 
 
+def _point(itl_s: float, seed: int, slo, concurrency: int = 1) -> dict:
+    """A sweep point's row as the stage makes it, from a synthetic detailed result with vLLM's percentiles."""
+    import numpy as np
+
+    from quantpipe.stages.benchmark.bench_serve import row_from_vllm, slo_met
+    from quantpipe.stages.benchmark.stats import per_request, widest_half_width
+
+    raw = _detailed(64, 0.05, itl_s, 32, 0.2, seed) | {"failed": 0}
+    req = per_request(raw)
+    raw |= {f"p{p}_{m}_ms": float(np.percentile(req[m], p)) for m in ("ttft", "tpot", "e2el") for p in (50, 99)}
+    row = {"variant": "default", "workload": "fixed", "kind": "fixed", "concurrency": concurrency, "num_prompts": 64}
+    row |= row_from_vllm(raw, slo) | {"goodput": raw["request_goodput"], "raw": f"raw/{seed}/fixed-c1.json"}
+    return row | {"slo_met": slo_met(row, slo), "half_width": widest_half_width(row)}
+
+
+def test_server_starts_pool_into_the_median_start_with_an_interval_spanning_every_starts():
+    from quantpipe.recipe import SLO
+    from quantpipe.stages.benchmark.starts import pool_starts
+
+    slo = SLO(tpot_p99_ms=13.5)
+    starts = [
+        [_point(0.014, 1, slo), _point(0.010, 4, slo, concurrency=4)],
+        [_point(0.010, 2, slo)],
+        [_point(0.012, 3, slo)],
+    ]
+    (p, alone) = pool_starts(starts, slo)
+    first = [s[0] for s in starts]
+    tpot = [r["tpot_ms"]["p50"] for r in first]
+    assert (
+        p["tpot_ms"]["p50"] == sorted(tpot)[1]
+        and p["output_throughput"] == sorted(r["output_throughput"] for r in first)[1]
+    )
+    lo, hi = p["tpot_ms"]["p50_ci95"]
+    assert (lo, hi) == (
+        min(r["tpot_ms"]["p50_ci95"][0] for r in first),
+        max(r["tpot_ms"]["p50_ci95"][1] for r in first),
+    )
+    assert all(lo <= t <= hi for t in tpot)  # every start's figure is inside the pooled interval...
+    one = first[0]["tpot_ms"]["p50_ci95"]
+    assert not all(one[0] <= t <= one[1] for t in tpot)  # ...which one start's interval does not hold
+    gp = p["ci95"]["goodput"]
+    assert gp[0] <= min(r["goodput"] for r in first) and gp[1] >= max(r["goodput"] for r in first)
+    # the SLO and the half-width are the pooled figures', not the first start's
+    assert first[0]["slo_met"] is False and p["slo_met"] is True
+    assert p["half_width"] > max(r["half_width"] for r in first)
+    assert p["completed"] == p["num_prompts"] == p["ci_requests"] == 192 and p["failed"] == 0
+    assert p["raw"] == "raw/1/fixed-c1.json" and p["variant"] == "default" and p["concurrency"] == 1
+    assert [(s["start"], s["tpot_p50_ms"], s["raw"]) for s in p["starts"]] == [
+        (k, r["tpot_ms"]["p50"], r["raw"]) for k, r in enumerate(first, start=1)
+    ]
+    # a point that only the first start measured stays as it was, with one start
+    assert alone["concurrency"] == 4 and alone["tpot_ms"] == starts[0][1]["tpot_ms"] and len(alone["starts"]) == 1
+
+
+def test_the_goodput_searchs_answer_pools_every_start_at_its_concurrency():
+    from quantpipe.recipe import SLO
+    from quantpipe.stages.benchmark.starts import pool_search, pool_starts
+
+    slo = SLO(tpot_p99_ms=50)
+    probe = _point(0.010, 1, slo, concurrency=12) | {"variant": "search"}
+    found = {"workload": "fixed", "concurrency": 12, "goodput": probe["goodput"], "rows": [probe]}
+    again = [_point(0.012, 2, slo, concurrency=12), _point(0.014, 3, slo, concurrency=12)]
+    pooled = pool_search(found, [], [[again[0]], [again[1]]], slo)
+    goodputs = sorted(r["goodput"] for r in (probe, *again))
+    assert pooled["goodput"] == goodputs[1] and pooled["rows"][0]["variant"] == "search"
+    lo, hi = pooled["goodput_ci95"]
+    assert lo <= goodputs[0] and hi >= goodputs[2] and len(pooled["rows"][0]["starts"]) == 3
+    # a search that ended on a sweep point takes that point's pooled row
+    sweep = pool_starts([[_point(0.010, 4, slo, concurrency=12)], [again[0]]], slo)
+    assert pool_search(found | {"rows": []}, sweep, [[again[0]]], slo)["goodput"] == sweep[0]["goodput"]
+    assert pool_search({"concurrency": None}, sweep, [], slo) == {"concurrency": None}  # nothing within the SLO
+
+
+def test_server_starts_take_variant_names_of_their_own():
+    assert _recipe(Path("/tmp"), server_starts=3).benchmark.start_names() == ["default-start2", "default-start3"]
+    assert _recipe(Path("/tmp")).benchmark.start_names() == []
+    with pytest.raises(ValueError, match="default-start<k>.*repeated: default-start2"):
+        _recipe(Path("/tmp"), server_starts=2, variants=[{"name": "default-start2", "engine": {}}])
+    with pytest.raises(ValueError, match="server_starts"):
+        _recipe(Path("/tmp"), server_starts=0)
+
+
 # --- slow: helpers ----------------------------------------------------------------------------
 
 
@@ -883,6 +965,51 @@ def test_stage_sweeps_workloads_variants_and_lora(models, tmp_path):
     assert len(lora["comparison"]) == 6 and all(c["output_throughput_ratio"] > 0 for c in lora["comparison"])
     for p in [v["port"] for v in m["variants"].values()] + [lora["port"]]:
         assert not port_in_use(p), f"port {p} still in use"
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_every_server_start_is_measured_and_each_point_pools_them(tiny, tmp_path):
+    recipe = _recipe(
+        tmp_path,
+        model=str(tiny.llama),
+        engine={"enforce_eager": True, "max_model_len": 256},
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 16, "num_prompts": 8}],
+        concurrency=[1, 2],
+        slo={"tpot_p99_ms": 1000},
+        offline=False,
+        goodput_search=4,
+        server_starts=2,
+    )
+    m = run_stage(tmp_path, recipe, tiny.llama, "baseline")
+    out = tmp_path / "out"
+    starts = m["server_starts"]
+    assert [(s["start"], s["servable"], s["log"]) for s in starts] == [
+        (1, True, "logs/server-default.log"),
+        (2, True, "logs/server-default-start2.log"),
+    ]
+    assert all(m["served_path"] in (out / s["log"]).read_text().splitlines()[0] for s in starts)  # the command
+    assert all(s["server_start_s"] > 0 and s["memory"]["peak_rss_gib"] > 0 for s in starts)
+    assert set(m["variants"]) == {"default"} and m["status_note"] is None
+    rows = m["results"]
+    assert [(r["variant"], r["concurrency"]) for r in rows] == [("default", 1), ("default", 2)]
+    for r in rows:
+        assert [s["start"] for s in r["starts"]] == [1, 2] and r["completed"] == 16, r
+        assert r["starts"][1]["raw"] == f"raw/default-start2/fixed-c{r['concurrency']}.json"
+        assert all((out / s["raw"]).is_file() for s in r["starts"])
+        each = [s["tpot_p50_ms"] for s in r["starts"]]
+        assert r["tpot_ms"]["p50"] == pytest.approx(sum(each) / 2)  # the median of two starts
+        lo, hi = r["tpot_ms"]["p50_ci95"]
+        assert all(lo <= t <= hi for t in each), (lo, hi, each)
+        assert r["slo_met"] is True and r["goodput"] > 0
+    # the search's answer (c=4 within the SLO, found on start 1) is measured on start 2 too and pooled
+    gs = m["goodput_search"]
+    assert gs["concurrency"] == 4 and [s["start"] for s in gs["rows"][0]["starts"]] == [1, 2], gs
+    assert gs["rows"][0]["starts"][1]["raw"] == "raw/default-start2/fixed-c4.json"
+    lo, hi = gs["goodput_ci95"]
+    assert all(lo <= s["goodput"] <= hi for s in gs["rows"][0]["starts"]) and gs["goodput"] == gs["rows"][0]["goodput"]
+    assert m["best"]["variant"] == "default" and m["best"]["goodput"] in [gs["goodput"], *(r["goodput"] for r in rows)]
+    assert all(not port_in_use(s["port"]) for s in starts)
 
 
 @pytest.mark.slow

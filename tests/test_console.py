@@ -81,7 +81,7 @@ def test_the_benchmark_line_says_server_starting_then_requests_sent(tmp_path):
         "stage": "benchmark:fp8",
         "kind": "benchmark",
         "out": str(out),
-        "input": {"benchmark": {"variants": [{"name": "eager-x"}]}},
+        "input": {"benchmark": {"variants": [{"name": "eager-x"}], "server_starts": 2}},
     }
     live, log = _live(spec, tmp_path)
     st = live._stages[str(log)]
@@ -122,6 +122,14 @@ def test_the_benchmark_line_says_server_starting_then_requests_sent(tmp_path):
         "$ vllm bench serve --num-prompts 8 --request-rate 2.5\n"
     )
     assert doing(st, t0 + 80) == "eager-x: fixed-512-128 r=2.5/s: 0/8 requests sent"
+    # the default engine's second server start (benchmark.server_starts): its own server and runs, named so
+    (out / "logs" / "server-default-start2.log").write_text("vLLM API server version 0.32.0\n")
+    assert doing(st, t0 + 90) == "server default (start 2) starting (0 s)"
+    with open(out / "logs" / "server-default-start2.log", "a") as f:
+        f.write("INFO:     Application startup complete.\n")
+    time.sleep(0.01)
+    (out / "logs" / "bench-default-start2-fixed-512-128-c4.log").write_text("$ vllm bench serve --num-prompts 8\n")
+    assert doing(st, t0 + 95) == "default (start 2): fixed-512-128 c=4: 0/8 requests sent"
 
 
 def test_evaluate_line_names_the_tasks_and_lm_evals_progress(tmp_path):

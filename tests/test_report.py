@@ -437,6 +437,16 @@ def test_recipe_notes_head_the_report(tmp_path):
     assert "Note (from the recipe)" not in (tmp_path / "plain" / "report.md").read_text()
 
 
+def test_a_report_of_several_server_starts_says_its_served_figures_pool_them(tmp_path):
+    record = make_record(tweak=lambda r: r["recipe"]["benchmark"].update(server_starts=3))
+    write_report(record, tmp_path, tmp_path)
+    said = "each served figure is the median of 3 server starts and its interval spans every start's"
+    assert said in (tmp_path / "report.md").read_text() and said in (tmp_path / "report.html").read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["server_starts"] == 3
+    write_report(make_record(), tmp_path / "one", tmp_path / "one")
+    assert "server starts" not in (tmp_path / "one" / "report.md").read_text()
+
+
 def _chromium(args: list[str], tmp: Path, timeout=90) -> subprocess.CompletedProcess:
     flags = [
         "--headless",

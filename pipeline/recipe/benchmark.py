@@ -133,6 +133,16 @@ class Benchmark(Strict):
             "from the sweep's points, to within 10 %): the artifact's goodput at the SLO is then the search's. Needs `slo`."
         ),
     )
+    server_starts: int = Field(
+        1,
+        ge=1,
+        le=10,
+        description=(
+            "Measure `engine` this many times, each from a fresh server: a point's figures are then the median over the "
+            "starts and its 95% intervals span every start's, so they hold the spread between server starts, which one "
+            "server's requests do not show. The goodput search, offline benches and memory come from the first start."
+        ),
+    )
     seed: int = 0
 
     @field_validator("concurrency")
@@ -153,9 +163,14 @@ class Benchmark(Strict):
         dup = _repeated(w.name for w in self.workloads)
         if dup:
             raise ValueError(f"workload names must be unique; repeated: {', '.join(dup)}")
-        dup = _repeated(["default"] + [v.name for v in self.variants])
+        dup = _repeated(["default", *self.start_names()] + [v.name for v in self.variants])
         if dup:
             raise ValueError(
-                f"variant names must be unique and not 'default' (the name of `engine` itself); repeated: {', '.join(dup)}"
+                "variant names must be unique and not 'default' (the name of `engine` itself) nor default-start<k> (its "
+                f"further server starts); repeated: {', '.join(dup)}"
             )
         return self
+
+    def start_names(self) -> list[str]:
+        """The variant names of `engine`'s further server starts (`server_starts`), each with its own logs and raw results."""
+        return [f"default-start{k}" for k in range(2, self.server_starts + 1)]

@@ -239,6 +239,11 @@ class RecipeFacts(Lenient):
         slo = self.benchmark.get("slo")
         return {k: v for k, v in slo.items() if number(v) is not None} if isinstance(slo, dict) else {}
 
+    def server_starts(self) -> int:
+        """How many server starts each served figure pools (`benchmark.server_starts`)."""
+        n = self.benchmark.get("server_starts")
+        return n if isinstance(n, int) and n > 1 else 1
+
     def gates(self) -> dict:
         g = self.evaluation.get("gates")
         return g if isinstance(g, dict) else {}

@@ -59,6 +59,7 @@ def summarize(record: RunRecord | dict) -> dict:
         "wall_s": record.wall_s,
         "slo": slo,
         "workload": workload,
+        "server_starts": recipe.server_starts(),
         "concurrency": concurrencies,
         "tasks": list(dict.fromkeys((a["task"], a["metric"]) for r in rows for a in r["accuracy"])),
         "rows": rows,

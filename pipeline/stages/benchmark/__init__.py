@@ -28,6 +28,7 @@ from .client import BenchClient
 from .engine import effective_engine, lora_setup
 from .measure import serve_variant
 from .offline import offline
+from .starts import pool_search, pool_starts
 from .workloads import validation_rows, workload_data
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,21 @@ def _versions() -> dict:
         except PackageNotFoundError:
             out[name] = None
     return out
+
+
+def _further_starts(bench, first: dict, serve) -> list[tuple[int, dict]]:
+    """`benchmark.server_starts`: serve the default engine again from fresh servers (`serve(name, bench)`), each
+    measuring the sweep and, after a goodput search, the search's concurrency too; [(start, info)] from start 2."""
+    found = (first.get("goodput_search") or {}).get("concurrency")
+    if found and found not in bench.concurrency:
+        bench = bench.model_copy(update={"concurrency": sorted({*bench.concurrency, found})})
+    return [(k, serve(name, bench)) for k, name in enumerate(bench.start_names(), start=2)]
+
+
+def _start_info(k: int, info: dict) -> dict:
+    """One server start of `engine` (`benchmark.server_starts`): how it went, without its rows."""
+    keep = ("servable", "reason", "server_start_s", "port", "log", "memory", "gate")
+    return {"start": k, **{f: info.get(f) for f in keep}}
 
 
 def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream], on_ready=None) -> dict:
@@ -81,6 +97,7 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
         "best": None,
         "goodput_search": None,
         "lora": None,
+        "server_starts": None,
         "workloads": [],
         "versions": _versions(),
         "hardware": hardware(),
@@ -116,9 +133,25 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
         lora_flags, lora_names, lora_notes = lora_setup(inp.adapters)
 
     failed_variants = []
-    client = BenchClient(
-        out / "logs" / "bench-client.log"
-    )  # the stage's `vllm bench serve` runs (client.py: forked on CUDA hosts)
+    client = BenchClient(out / "logs" / "bench-client.log")  # its `vllm bench serve` runs (client.py: forked on CUDA)
+
+    def serve(name: str, model: Path, engine: dict, b=bench, **kw) -> dict:
+        return serve_variant(
+            name,
+            model,
+            engine,
+            b,
+            inp.served_model_name,
+            plat,
+            workloads,
+            data,
+            str(src),
+            out,
+            vocab,
+            client=client,
+            **kw,
+        )
+
     # Served by a stable link, so a rebuild of the same shape and scheme finds vLLM's compile cache (see stable_path).
     try:
         client.start()  # on a CUDA host its imports overlap the server's start
@@ -128,32 +161,14 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
                 engine, notes = effective_engine(e, inp, src, plat, need)
                 if os.environ.get(GATE_ENV):
                     notes = [*notes, SHARED_NOTE]
-                info = serve_variant(
-                    vname,
-                    served,
-                    engine,
-                    bench,
-                    inp.served_model_name,
-                    plat,
-                    workloads,
-                    data,
-                    str(src),
-                    out,
-                    vocab,
-                    client=client,
-                    on_ready=on_ready if vname == "default" else None,
-                )
+                info = serve(vname, served, engine, on_ready=on_ready if vname == "default" else None)
                 info["engine_notes"] = notes
                 result["variants"][vname] = {k: v for k, v in info.items() if k not in ("rows", "goodput_search")}
                 result["results"] += info["rows"]
                 if vname == "default":
-                    result["engine"], result["engine_notes"], result["server_start_s"] = (
-                        engine,
-                        notes,
-                        info.get("server_start_s"),
-                    )
-                    result["startup"], result["shared_s"] = info.get("startup"), info.get("shared_s")
-                    result["goodput_search"] = info.get("goodput_search")
+                    result["engine"], result["engine_notes"] = engine, notes
+                    result["server_start_s"], result["startup"] = info.get("server_start_s"), info.get("startup")
+                    result["shared_s"], result["goodput_search"] = info.get("shared_s"), info.get("goodput_search")
                     if not info["servable"]:
                         result.update(servable=False, reason=info["reason"], status_note=info["reason"])
                         return finish()
@@ -163,28 +178,22 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
                             result["offline"] = offline(
                                 served, engine, next((w for w in workloads if w.kind == "fixed"), workloads[0]), out
                             )
+                    if bench.server_starts > 1:
+                        again = _further_starts(bench, info, lambda name, b: serve(name, served, engine, b))
+                        result["server_starts"] = [_start_info(1, info)] + [_start_info(k, a) for k, a in again]
+                        failed_variants += [f"default's server start {k}" for k, a in again if not a["servable"]]
+                        further = [a["rows"] for _, a in again if a["rows"]]
+                        pooled = pool_starts([info["rows"], *further], bench.slo)
+                        result["results"] = [r for r in result["results"] if r["variant"] != "default"] + pooled
+                        if result["goodput_search"]:
+                            result["goodput_search"] = pool_search(result["goodput_search"], pooled, further, bench.slo)
                 elif not info["servable"]:
                     failed_variants.append(vname)
 
         if lora_flags:
             base_dir = Path(inp.base.model)
             engine, notes = effective_engine(bench.engine, inp, base_dir, plat, need)
-            info = serve_variant(
-                "lora",
-                base_dir,
-                engine,
-                bench,
-                inp.served_model_name,
-                plat,
-                workloads,
-                data,
-                str(src),
-                out,
-                vocab,
-                extra_args=lora_flags,
-                lora_names=lora_names,
-                client=client,
-            )
+            info = serve("lora", base_dir, engine, extra_args=lora_flags, lora_names=lora_names)
             merged_rows = [r for r in result["results"] if r["variant"] == "default"]
             result["lora"] = {
                 "servable": info["servable"],
