@@ -1,7 +1,7 @@
 """Pooling the points of several server starts (`benchmark.server_starts`). One server's requests give a point's 95%
-intervals (stats.py), but a fresh server of the same engine can land elsewhere: compile choices, memory placement and
-the host's state differ from start to start. With several starts a point's figure is the median over the starts, its
-interval spans every start's interval, counts add up, and `starts` keeps each start's own figures.
+intervals (stats.py), but a fresh server of the same engine can land outside them (docs/BENCHMARKS.md measures how
+far). With several starts a point's figure is the median over the starts, its interval spans every start's interval,
+counts add up, and `starts` keeps each start's own figures.
 
     pooled = pool_starts([rows_start1, rows_start2, rows_start3], bench.slo)
     search = pool_search(search, pooled, [rows_start2, rows_start3], bench.slo)
