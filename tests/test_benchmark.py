@@ -371,8 +371,8 @@ def test_server_starts_pool_into_the_median_start_with_an_interval_spanning_ever
     assert p["half_width"] > max(r["half_width"] for r in first)
     assert p["completed"] == p["num_prompts"] == p["ci_requests"] == 192 and p["failed"] == 0
     assert p["raw"] == "raw/1/fixed-c1.json" and p["variant"] == "default" and p["concurrency"] == 1
-    assert [(s["start"], s["tpot_p50_ms"], s["raw"]) for s in p["starts"]] == [
-        (k, r["tpot_ms"]["p50"], r["raw"]) for k, r in enumerate(first, start=1)
+    assert [(s["start"], s["tpot_p50_ms"], s["tpot_p50_ci95_ms"], s["ci95"], s["raw"]) for s in p["starts"]] == [
+        (k, r["tpot_ms"]["p50"], r["tpot_ms"]["p50_ci95"], r["ci95"], r["raw"]) for k, r in enumerate(first, start=1)
     ]
     # a point that only the first start measured stays as it was, with one start
     assert alone["concurrency"] == 4 and alone["tpot_ms"] == starts[0][1]["tpot_ms"] and len(alone["starts"]) == 1
@@ -1001,6 +1001,7 @@ def test_every_server_start_is_measured_and_each_point_pools_them(tiny, tmp_path
         assert r["tpot_ms"]["p50"] == pytest.approx(sum(each) / 2)  # the median of two starts
         lo, hi = r["tpot_ms"]["p50_ci95"]
         assert all(lo <= t <= hi for t in each), (lo, hi, each)
+        assert all(lo <= s["tpot_p50_ci95_ms"][0] <= s["tpot_p50_ci95_ms"][1] <= hi for s in r["starts"]), r["starts"]
         assert r["slo_met"] is True and r["goodput"] > 0
     # the search's answer (c=4 within the SLO, found on start 1) is measured on start 2 too and pooled
     gs = m["goodput_search"]

@@ -30,10 +30,7 @@ def pool_starts(starts: list[list[dict]], slo) -> list[dict]:
         out["slo_met"] = slo_met(out, slo)
         out["half_width"] = widest_half_width(out)
         out["starts"] = [
-            {"start": k, **{f: r.get(f) for f in PER_START}}
-            | {f"{m}_p50_ms": (r.get(f"{m}_ms") or {}).get("p50") for m in ("ttft", "tpot", "e2el")}
-            | {"raw": r.get("raw")}
-            for k, r in runs
+            {"start": k, **{f: r.get(f) for f in PER_START}, "ci95": r.get("ci95")} | _p50s(r) for k, r in runs
         ]
         pooled.append(out)
     return pooled
@@ -53,6 +50,15 @@ def pool_search(found: dict, pooled: list[dict], further: list[list[dict]], slo)
             return found
         at = rows[i] = pool_starts([[rows[i]], *further], slo)[0]
     return found | {"goodput": at.get("goodput"), "goodput_ci95": (at.get("ci95") or {}).get("goodput"), "rows": rows}
+
+
+def _p50s(row: dict) -> dict:
+    """A start's median latencies with their intervals, and its raw result."""
+    out = {}
+    for m in ("ttft", "tpot", "e2el"):
+        lat = row.get(f"{m}_ms") or {}
+        out |= {f"{m}_p50_ms": lat.get("p50"), f"{m}_p50_ci95_ms": lat.get("p50_ci95")}
+    return out | {"raw": row.get("raw")}
 
 
 def _point(row: dict) -> tuple:
