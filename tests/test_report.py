@@ -438,10 +438,17 @@ def test_recipe_notes_head_the_report(tmp_path):
 
 
 def test_a_report_of_several_server_starts_says_its_served_figures_pool_them(tmp_path):
-    record = make_record(tweak=lambda r: r["recipe"]["benchmark"].update(server_starts=3))
-    write_report(record, tmp_path, tmp_path)
+    def three_starts(r):
+        r["recipe"]["benchmark"]["server_starts"] = 3
+        for row in r["stages"]["benchmark:fp8"]["metrics"]["results"]:
+            row["starts"] = [{"start": k, "goodput": g} for k, g in enumerate((41.5, 24.75, 39.0), start=1)]
+
+    write_report(make_record(tweak=three_starts), tmp_path, tmp_path)
     said = "each served figure is the median of 3 server starts and its interval spans every start's"
-    assert said in (tmp_path / "report.md").read_text() and said in (tmp_path / "report.html").read_text()
+    md, html = (tmp_path / "report.md").read_text(), (tmp_path / "report.html").read_text()
+    assert said in md and said in html
+    assert "| Goodput per start |" in md and "| 41.500 / 24.750 / 39.000 |" in md  # fp8's points, start by start
+    assert "<th>goodput per start</th>" in html and "<td>41.500 / 24.750 / 39.000</td>" in html
     assert json.loads((tmp_path / "report.json").read_text())["server_starts"] == 3
     write_report(make_record(), tmp_path / "one", tmp_path / "one")
     assert "server starts" not in (tmp_path / "one" / "report.md").read_text()

@@ -139,6 +139,7 @@ class ServeResult(Lenient):
     e2el_ms: Part(Percentiles) = Field(default_factory=Percentiles)
     ci95: Obj = Field(default_factory=dict)  # figure -> [lo, hi]
     intervals: Obj = Field(default_factory=dict)
+    starts: Seq = Field(default_factory=list)  # with benchmark.server_starts: each start's own figures
 
     def interval(self, key: str) -> list[float] | None:
         """A 95% interval of `key`, where the row records one (`<key>_ci95`, `ci95: {key: …}` or `intervals: {key: …}`)."""

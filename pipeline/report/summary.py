@@ -210,6 +210,7 @@ def _row(record: RunRecord, name: str, methods: dict, base_size, bval_score, wor
                 "output_throughput_ci": pair(r.ci95.get("output_throughput")),
                 "goodput": r.goodput,
                 "goodput_ci": pair(r.ci95.get("goodput")),
+                "goodput_starts": [number(s.get("goodput")) for s in r.starts if isinstance(s, dict)],
             }
             for c, r in sorted(serve.items())
         },
