@@ -391,6 +391,9 @@ def test_the_goodput_searchs_answer_pools_every_start_at_its_concurrency():
     assert pooled["goodput"] == goodputs[1] and pooled["rows"][0]["variant"] == "search"
     lo, hi = pooled["goodput_ci95"]
     assert lo <= goodputs[0] and hi >= goodputs[2] and len(pooled["rows"][0]["starts"]) == 3
+    assert pooled["slo_met"] is True
+    slower = [[_point(0.060, 5, slo, concurrency=12)], [_point(0.060, 6, slo, concurrency=12)]]
+    assert pool_search(found, [], slower, slo)["slo_met"] is False  # two of three starts miss TPOT p99 50 ms
     # a search that ended on a sweep point takes that point's pooled row
     sweep = pool_starts([[_point(0.010, 4, slo, concurrency=12)], [again[0]]], slo)
     assert pool_search(found | {"rows": []}, sweep, [[again[0]]], slo)["goodput"] == sweep[0]["goodput"]

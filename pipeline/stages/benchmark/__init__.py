@@ -213,7 +213,8 @@ def run(inp: BenchmarkInput, src: Path, out: Path, upstream: dict[str, Upstream]
 
     result["best"] = pick_best(result["results"], bench)
     found = result.get("goodput_search")
-    if found and found["concurrency"] and (found["goodput"] or 0) > (result["best"].get("goodput") or 0):
+    within = found and found["concurrency"] and found.get("slo_met") is not False  # False: pooled starts miss it
+    if within and (found["goodput"] or 0) > (result["best"].get("goodput") or 0):
         result["best"] = {
             "variant": "default",
             "concurrency": found["concurrency"],

@@ -38,7 +38,8 @@ def pool_starts(starts: list[list[dict]], slo) -> list[dict]:
 
 def pool_search(found: dict, pooled: list[dict], further: list[list[dict]], slo) -> dict:
     """The goodput search's answer (made on the first start) with the figures of every start at its concurrency: the
-    pooled sweep row where the sweep has that point, else its probe pooled with the further starts' runs of it."""
+    pooled sweep row where the sweep has that point, else its probe pooled with the further starts' runs of it;
+    `slo_met` says whether the pooled figures still meet the SLO there."""
     c, w = found.get("concurrency"), found.get("workload")
     if not c:
         return found
@@ -49,7 +50,8 @@ def pool_search(found: dict, pooled: list[dict], further: list[list[dict]], slo)
         if i is None:
             return found
         at = rows[i] = pool_starts([[rows[i]], *further], slo)[0]
-    return found | {"goodput": at.get("goodput"), "goodput_ci95": (at.get("ci95") or {}).get("goodput"), "rows": rows}
+    pooled_at = {"goodput": at.get("goodput"), "goodput_ci95": (at.get("ci95") or {}).get("goodput"), "rows": rows}
+    return found | pooled_at | {"slo_met": at.get("slo_met")}
 
 
 def _p50s(row: dict) -> dict:
