@@ -50,8 +50,13 @@ def pool_search(found: dict, pooled: list[dict], further: list[list[dict]], slo)
         if i is None:
             return found
         at = rows[i] = pool_starts([[rows[i]], *further], slo)[0]
-    pooled_at = {"goodput": at.get("goodput"), "goodput_ci95": (at.get("ci95") or {}).get("goodput"), "rows": rows}
-    return found | pooled_at | {"slo_met": at.get("slo_met")}
+    goodput_ci95 = (at.get("ci95") or {}).get("goodput")
+    return found | {
+        "goodput": at.get("goodput"),
+        "goodput_ci95": goodput_ci95,
+        "rows": rows,
+        "slo_met": at.get("slo_met"),
+    }
 
 
 def _p50s(row: dict) -> dict:
