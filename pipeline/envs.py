@@ -12,10 +12,11 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 from functools import cache
 from pathlib import Path
+
+from .common.nvidia import nvidia_smi
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO = PACKAGE_DIR.parent
@@ -99,13 +100,8 @@ def host_platform() -> str:
     chosen = platform_override()
     if chosen:
         return chosen
-    if shutil.which("nvidia-smi"):
-        try:
-            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-            if any(line.startswith("GPU ") for line in r.stdout.splitlines()):
-                return "cuda"
-        except (OSError, subprocess.SubprocessError):
-            pass
+    if any(row[0].startswith("GPU ") for row in nvidia_smi("-L")):
+        return "cuda"
     return "cpu"
 
 
@@ -169,18 +165,8 @@ def hardware() -> dict:
                 hw["mem_gib"] = round(int(line.split()[1]) / 2**20, 1)
     except OSError:
         pass
-    if shutil.which("nvidia-smi"):
-        try:
-            r = subprocess.run(
-                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-            hw["gpus"] = [g.strip() for g in r.stdout.strip().splitlines() if g.strip()]
-        except (OSError, subprocess.SubprocessError):
-            pass
-    hw.setdefault("gpus", [])
+    rows = nvidia_smi("--query-gpu=name,memory.total,driver_version", "--format=csv,noheader")
+    hw["gpus"] = [", ".join(row) for row in rows]  # each GPU's line as nvidia-smi prints it
     return hw
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from .common.compute import compute_dtype
 from .common.hf_config import read_config, text_part
+from .common.nvidia import nvidia_smi, visible_gpus
 from .common.safetensors import param_count
 from .common.vllm_support import DEFAULT_CPU_KV_BYTES
 
@@ -228,24 +228,20 @@ def machine(cache_dir: Path, out_dir: Path) -> dict:
 
 
 def gpu_memory() -> dict | None:
-    if not shutil.which("nvidia-smi"):
+    """The memory of the first GPU the stages will use; None without one (CUDA_VISIBLE_DEVICES hiding every GPU: the
+    stages compute on the CPU)."""
+    # nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says: ask for the first one the stages will use
+    visible = visible_gpus()
+    if visible == []:
         return None
+    rows = nvidia_smi(
+        "--query-gpu=memory.total,memory.free",
+        "--format=csv,noheader,nounits",
+        *(["-i", visible[0]] if visible else []),
+    )
     try:
-        # nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says: ask for the first one the stages will use
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
-        r = subprocess.run(
-            [
-                "nvidia-smi",
-                "--query-gpu=memory.total,memory.free",
-                "--format=csv,noheader,nounits",
-                *(["-i", visible] if visible else []),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        )
-        total, free = (int(float(x)) * 2**20 for x in r.stdout.strip().splitlines()[0].split(","))
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        total, free = (int(float(x)) * 2**20 for x in rows[0])
+    except (ValueError, IndexError):
         return None
     return {"total_bytes": total, "free_bytes": free}
 

@@ -29,6 +29,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from .common.nvidia import nvidia_smi
 from .ports import HOST, free_port, port_freed
 from .server_output import failure_reason, parse_metrics
 
@@ -339,18 +340,8 @@ class Server:
 
 def _gpu_bytes(pids: set[int]) -> int:
     """GPU memory used by the given processes, from nvidia-smi (0 where it cannot tell)."""
-    try:
-        r = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return 0
     total = 0
-    for line in r.stdout.splitlines():
-        parts = [x.strip() for x in line.split(",")]
+    for parts in nvidia_smi("--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits", timeout=10):
         if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit() and int(parts[0]) in pids:
             total += int(parts[1]) * 2**20
     return total

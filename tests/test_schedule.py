@@ -180,6 +180,28 @@ def test_simulated_gpus_and_gpu_selection(monkeypatch):
         gpus("3")
 
 
+def test_visible_gpus_follow_cuda_visible_devices_and_gpu_memory_is_none_when_it_hides_every_gpu(monkeypatch, tmp_path):
+    """CUDA_VISIBLE_DEVICES unset: None (every GPU visible); set: its stripped entries but those starting with "-", so
+    "" and "-1" leave []. With every GPU hidden pre-flight reads no GPU memory, though nvidia-smi (a stand-in) lists one."""
+    from quantpipe import preflight
+    from quantpipe.common.nvidia import visible_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_gpus() is None
+    for value, expected in [("0,1", ["0", "1"]), ("", []), ("-1", []), (" 1 , -1", ["1"])]:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+        assert visible_gpus() == expected, value
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text('#!/bin/sh\necho "81920, 81000"\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 81000 * 2**20}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert preflight.gpu_memory() is None
+
+
 # --- real stages on the tiny model, two simulated GPUs ------------------------------------------------
 
 

@@ -6,12 +6,12 @@ steps = build_steps(recipe, base_dir)     # merge, evaluate:baseline, benchmark:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cache import hash_json
 from ..common.compute import compute_dtype
+from ..common.nvidia import visible_gpus
 from ..envs import hardware_key, lock_hash, source_hash, stage_env
 from ..recipe import Recipe, Strict
 from ..stages.contract import BenchmarkInput, EvaluateInput, MergeInput, PackageInput, QuantizeInput
@@ -45,9 +45,7 @@ def has_gpu() -> bool:
     (set to "" or "-1" it hides them all, and the stages compute on the CPU)."""
     from ..envs import hardware
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    hidden = visible is not None and not any(v.strip() and not v.strip().startswith("-") for v in visible.split(","))
-    return bool(hardware()["gpus"]) and not hidden
+    return bool(hardware()["gpus"]) and visible_gpus() != []
 
 
 def stage_input(kind: str, recipe: Recipe, artifact: str | None, base_dir: str, backend: str | None = None):

@@ -15,9 +15,9 @@ start when nothing runs (pre-flight refused any that fits nowhere). In full: doc
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
+
+from ..common.nvidia import nvidia_smi, visible_gpus
 
 GIB = 2**30
 EXCLUSIVE = {"benchmark"}
@@ -51,24 +51,15 @@ def gpus(select: str | None = None) -> list[Gpu]:
     if sim:
         n, _, gib = sim.partition("x")
         found = [Gpu(str(i), int(float(gib or 80) * GIB), "simulated") for i in range(int(n))]
-    elif shutil.which("nvidia-smi"):
-        try:
-            r = subprocess.run(
-                ["nvidia-smi", "--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits"],
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-            rows = [[x.strip() for x in line.split(",", 2)] for line in r.stdout.strip().splitlines() if line.strip()]
-            found = [Gpu(i, int(float(mib)) * 2**20, name) for i, mib, name in rows]
-        except (OSError, subprocess.SubprocessError, ValueError):
-            found = []
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            keep = [v.strip() for v in visible.split(",") if v.strip()]
-            found = [g for g in found if g.index in keep]
     else:
-        found = []
+        rows = nvidia_smi("--query-gpu=index,memory.total,name", "--format=csv,noheader,nounits")
+        try:
+            found = [Gpu(i, int(float(mib)) * 2**20, ", ".join([name, *rest])) for i, mib, name, *rest in rows]
+        except ValueError:
+            found = []
+        visible = visible_gpus()
+        if visible is not None:
+            found = [g for g in found if g.index in visible]
     if select:
         wanted = [s.strip() for s in select.split(",") if s.strip()]
         unknown = [w for w in wanted if w not in {g.index for g in found}]
