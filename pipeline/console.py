@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .common.fmt import human_bytes
+from .recipe.benchmark import start_names, start_number
 from .report.decide import sig
 
 TQDM = re.compile(r"(?P<desc>[^\r\n|%]*?)[:\s]*(?P<pct>\d{1,3})%\|[^|]{0,80}\|\s*(?P<n>\d+)/(?P<total>\d+)")
@@ -224,7 +225,8 @@ def _benchmark(st: _Stage, now: float) -> str | None:
 
 def _variant(name: str) -> str:
     """A variant as the line names it: 'default-start2' (`benchmark.server_starts`) -> 'default (start 2)'."""
-    return re.sub(r"^default-start(\d+)$", r"default (start \1)", name)
+    k = start_number(name)
+    return name if k is None else f"default (start {k})"
 
 
 def _bench_label(stem: str, spec: dict) -> str:
@@ -233,7 +235,7 @@ def _bench_label(stem: str, spec: dict) -> str:
     bench = (spec.get("input") or {}).get("benchmark") or {}
     variants = ["default", *[v.get("name") for v in bench.get("variants") or [] if isinstance(v, dict)], "lora"]
     starts = bench.get("server_starts")
-    variants += [f"default-start{k}" for k in range(2, starts + 1)] if isinstance(starts, int) else []
+    variants += start_names(starts) if isinstance(starts, int) else []
     m = re.match(r"^(?P<rest>.+?)-(?:c(?P<c>\d+)|r(?P<rate>\d+(?:\.\d+)?))(?:-r(?P<run>\d+))?$", stem)
     if not m:
         return stem

@@ -173,4 +173,15 @@ class Benchmark(Strict):
 
     def start_names(self) -> list[str]:
         """The variant names of `engine`'s further server starts (`server_starts`), each with its own logs and raw results."""
-        return [f"default-start{k}" for k in range(2, self.server_starts + 1)]
+        return start_names(self.server_starts)
+
+
+def start_names(server_starts: int) -> list[str]:
+    """The variant names of the default engine's starts 2..server_starts: default-start2, default-start3, ..."""
+    return [f"default-start{k}" for k in range(2, server_starts + 1)]
+
+
+def start_number(name: str) -> int | None:
+    """k for a name of `start_names` (default-start<k>), else None."""
+    k = name.removeprefix("default-start")
+    return int(k) if k != name and k.isdigit() else None
