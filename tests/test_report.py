@@ -422,6 +422,26 @@ def test_report_without_benchmark_or_evaluation(tmp_path):
     assert all(p.exists() for p in paths)
 
 
+def test_a_run_narrowed_by_artifacts_reports_and_compares_only_what_it_built(tmp_path):
+    """`quantpipe run --artifacts fp8` records fp8 alone: the report's rows and decision name no other artifact of the
+    recipe, and compared with a run of all of them the others are absent from it, not regressions."""
+
+    def only_fp8(r):
+        r["stages"] = {k: v for k, v in r["stages"].items() if v["artifact"] in (None, "baseline", "fp8")}
+        r["artifacts"] = {"fp8": r["artifacts"]["fp8"]}
+
+    narrowed = make_record(run_id="20261130-070000-2", started="2026-11-30T07:00:00Z", tweak=only_fp8)
+    write_report(narrowed, tmp_path, tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [r["artifact"] for r in data["rows"]] == ["baseline", "fp8"]
+    assert "w8a8" not in (tmp_path / "report.md").read_text()
+    out = tmp_path / "out"
+    save_run(out, make_record())
+    result = compare_runs(save_run(out, narrowed), out / "runs" / "20261130-060000-1")
+    assert not result["regression"], result["findings"]
+    assert result["artifacts"]["w8a8"]["notes"] == ["not in run A"]
+
+
 def test_recipe_notes_head_the_report(tmp_path):
     record = make_record(tweak=lambda r: r["recipe"].update(notes="Random weights:\n<b>accuracy</b> is noise."))
     write_report(record, tmp_path, tmp_path)

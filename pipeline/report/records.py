@@ -251,8 +251,9 @@ class RecipeFacts(Lenient):
 
 
 def artifact_names(record: RunRecord) -> list[str]:
-    """The recipe's artifacts in its order, then any other the record has."""
-    names = [n for n in RecipeFacts.of(record).methods() if n]
+    """The artifacts the run built, in the recipe's order, then any other the record has; a record that names none (a
+    run stopped before its end) reads as the recipe's. A run narrowed by `--artifacts` names only those."""
+    names = [n for n in RecipeFacts.of(record).methods() if n and (n in record.artifacts or not record.artifacts)]
     names += [n for n in record.artifacts if n not in names]
     return list(dict.fromkeys(names))
 
