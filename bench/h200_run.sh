@@ -37,6 +37,7 @@
 #                                              QP_WARM=1: the second run from an empty stage cache on the warm host;
 #                                              QP_WARMUP=RECIPE: the first run is that lighter recipe (same shape, schemes,
 #                                              engine); QP_JOBS: --jobs; QP_STAGE_TIMEOUT: minutes (default 10);
+#                                              QP_ARGS="ARGS": more `quantpipe run` arguments for every run;
 #                                              QP_THEN="ARGS": the second run adds ARGS (e.g. --gpu-memory 40GiB);
 #                                              QP_RESTARTS=N: after the first run, N times every benchmark again
 #                                              (`--stages benchmark --force benchmark`: fresh servers on the warm host)
@@ -164,7 +165,7 @@ _recipe)
   R=$1 L=/tmp/qp/log
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   df -h /tmp
-  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_STAGES:+--stages $QP_STAGES} ${QP_JOBS:+--jobs $QP_JOBS})
+  only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_STAGES:+--stages $QP_STAGES} ${QP_JOBS:+--jobs $QP_JOBS} ${QP_ARGS:-})
   limit=${QP_STAGE_TIMEOUT:-10}  # minutes
   if [ -n "${QP_WARMUP:-}" ]; then  # R1 warms the host with a lighter recipe of the same shape, schemes and engine
     "$QP_PY" -m quantpipe run --stage-timeout $limit $QP_WARMUP "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (warm-up $QP_WARMUP) rc=$rc"

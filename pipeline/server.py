@@ -244,8 +244,16 @@ class Server:
     def __enter__(self) -> "Server":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # An error inside the block because the server died under it (a refused /metrics read, a failed benchmark run)
+        # is the server's death: raised as ServerDied with what its log says, so callers tell it from their own errors.
+        died = None
+        if exc_type is not None and issubclass(exc_type, Exception) and not issubclass(exc_type, ServerDied):
+            if self.proc is not None and self.proc.poll() is not None:
+                died = self._died(f"exited with code {self.proc.returncode}")
         self.stop()
+        if died is not None:
+            raise died from exc
 
     # --- the process tree ---------------------------------------------------------------------
 

@@ -1127,7 +1127,7 @@ def test_a_server_that_cannot_allocate_its_kv_cache_fails_the_stage_as_a_fault_w
         tmp_path,
         model=str(models.base),
         artifact=("fp8", "fp8"),
-        engine={"enforce_eager": True, "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 20},
+        engine={"enforce_eager": True, "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 20},
         offline=False,
         lora=False,
         workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],

@@ -416,7 +416,7 @@ def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
 def test_a_server_killed_mid_run_fails_its_stage_caches_nothing_and_is_measured_again(tiny, built, tmp_path, runs):
     """SIGKILL of the baseline's vLLM server alone, once it serves: a fault, not a verdict. The run goes on with the
     other artifact, exits 1, names the stage and the cause; nothing of the killed benchmark is cached; the unchanged
-    re-run measures exactly that stage again and reuses everything else."""
+    re-run measures exactly that stage again (and builds the package that waited for it), reusing everything else."""
     cache = copy_cache(built.cache, tmp_path / "cache", ("merge", "quantize"))
     bench = {
         "engine": {"enforce_eager": True, "max_model_len": 128, "kv_cache_memory_bytes": 128 * 2**20},
@@ -444,11 +444,15 @@ def test_a_server_killed_mid_run_fails_its_stage_caches_nothing_and_is_measured_
     assert "nothing of this benchmark is kept" in b["error"]
     assert any("benchmark:baseline" in ln and "FAILED" in ln and "killed" in ln for ln in a.stderr().splitlines())
     assert rec["stages"]["benchmark:fp8"]["status"] == "ok" and "benchmark:baseline" not in committed(cache)
+    assert rec["command"] == f"quantpipe run {recipe}"  # the command line as typed, for the report's provenance
     assert gone(a) == [] and leftovers(cache) == []
 
     again = runs(recipe, label="b-again")
     assert again.wait() == 0, again.stderr()[-3000:]
-    assert {k: v for k, v in states(again.record()).items() if v != "hit"} == {"benchmark:baseline": "miss"}
+    # exactly the failed stage, and the package that waited for it (its card compares with the baseline's figures)
+    assert rec["stages"]["package:fp8"]["status"] == "skipped"
+    rebuilt = {k: v for k, v in states(again.record()).items() if v != "hit"}
+    assert rebuilt == {"benchmark:baseline": "miss", "package:fp8": "miss"}
 
 
 def _cmd(p: psutil.Process) -> str:
