@@ -1,0 +1,96 @@
+"""`quantpipe cache`: what the stage cache holds, and `quantpipe cache prune`, which removes the entries that no
+recent run, published package or running run needs (the library: run/prune.py).
+
+    quantpipe cache                                   # entries and bytes per stage kind, which are needed
+    quantpipe cache prune --keep-runs 3 --dry-run     # what would go, and the bytes it would free
+    quantpipe cache prune --keep-runs 3 --cache /data/qp-cache
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import click
+
+from .cli_input import BadInput
+from .common.fmt import human_bytes
+from .run.prune import DEFAULT_KEEP_RUNS, PruneError, survey
+from .run.prune import prune as prune_cache
+
+CACHE_HELP = "The stage cache (default: $QUANTPIPE_CACHE, else ~/.cache/quantpipe)."
+
+
+def _root(cache_dir: str | None) -> Path:
+    from .cache import default_root
+
+    return Path(cache_dir) if cache_dir else default_root()
+
+
+@click.group(invoke_without_command=True)
+@click.option("--cache", "cache_dir", default=None, metavar="DIR", help=CACHE_HELP)
+@click.pass_context
+def cache(ctx, cache_dir):
+    """What the stage cache holds: entries and bytes per stage kind, and which entries the last runs of each output
+    directory, its published packages and running runs need. `quantpipe cache prune` removes the rest."""
+    ctx.ensure_object(dict)["cache"] = cache_dir
+    if ctx.invoked_subcommand is not None:
+        return
+    try:
+        s = survey(_root(cache_dir), DEFAULT_KEEP_RUNS)
+    except PruneError as e:
+        raise BadInput(str(e)) from None
+    rows = {}
+    for e in s.entries:
+        r = rows.setdefault(e.kind, [0, 0, 0])
+        r[0], r[1], r[2] = r[0] + 1, r[1] + e.bytes, r[2] + bool(e.needed_by)
+    total = [sum(r[i] for r in rows.values()) for i in range(3)]
+    click.echo(f"stage cache {s.root} (files linked from several entries counted once)")
+    click.echo(f"  {'kind':<10} {'entries':>7} {'size':>10} {'needed':>7}")
+    for kind, (n, size, needed) in [*sorted(rows.items()), ("total", total)]:
+        click.echo(f"  {kind:<10} {n:>7} {human_bytes(size):>10} {needed:>7}")
+    click.echo(
+        f"needed: by the last {s.keep_runs} runs of each of {len(s.output_dirs)} output director(ies) "
+        f"({s.runs} run(s) recorded), {s.packages} published package(s) and {len(s.running)} running run(s)"
+    )
+    if s.gone:
+        click.echo(f"output directories gone (their runs keep nothing): {', '.join(s.gone)}")
+    click.echo(
+        f"`quantpipe cache prune --keep-runs {s.keep_runs}` would remove {len(s.unneeded)} entr(ies) "
+        f"and free {human_bytes(s.reclaimable_bytes())}"
+    )
+
+
+@cache.command()
+@click.option(
+    "--keep-runs",
+    type=click.IntRange(min=1),
+    default=DEFAULT_KEEP_RUNS,
+    show_default=True,
+    metavar="N",
+    help="Keep the entries of the last N runs of each output directory that used the cache.",
+)
+@click.option("--cache", "cache_dir", default=None, metavar="DIR", help=CACHE_HELP)
+@click.option("--dry-run", is_flag=True, help="Say what would be removed and freed; remove nothing.")
+@click.pass_context
+def prune(ctx, keep_runs, cache_dir, dry_run):
+    """Remove the cache entries that no kept run, published package (packages/<artifact> of an output directory)
+    or running run needs. Entries another process holds (building or reading them) are skipped and named."""
+    try:
+        p = prune_cache(_root(cache_dir or ctx.obj.get("cache")), keep_runs, dry_run=dry_run)
+    except PruneError as e:
+        raise BadInput(str(e)) from None
+    kinds = Counter(e.kind for e in p.removed)
+    by_kind = f" ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))})" if kinds else ""
+    kept = [e for e in p.survey.entries if e.needed_by]
+    verb = "would remove" if dry_run else "removed"
+    freed = "would free" if dry_run else "freed"
+    click.echo(
+        f"{p.survey.root}: {verb} {len(p.removed)} entr(ies){by_kind}, {freed} {human_bytes(p.freed_bytes)}; kept "
+        f"{len(kept)} needed by the last {keep_runs} runs of {len(p.survey.output_dirs)} output director(ies), "
+        f"{p.survey.packages} published package(s) and {len(p.survey.running)} running run(s)"
+    )
+    for e in p.locked:
+        click.echo(f"skipped {e.stage} {e.key[:16]}: another process holds its lock (building or reading it)")
+    if dry_run:
+        click.echo("nothing was removed (--dry-run)")
