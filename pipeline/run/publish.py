@@ -51,6 +51,11 @@ def store_dir(out_dir: Path, artifact: str, key: str) -> Path:
     return Path(out_dir) / "packages" / ".store" / f"{artifact}-{key[:16]}"
 
 
+def unpublished(steps, out_dir: Path) -> set[str]:
+    """The package stages whose package is not in `out_dir` yet: the run copies it there, from a cache hit too."""
+    return {s.id for s in steps if s.kind == "package" and not store_dir(out_dir, s.artifact, s.key).is_dir()}
+
+
 def published(out_dir: Path) -> dict[str, dict]:
     """Each live package of `out_dir` (a packages/<artifact> link): its manifest's stage keys, {stage id: key}."""
     from ..stages.package.verify import MANIFEST

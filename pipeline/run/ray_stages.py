@@ -65,6 +65,7 @@ class RayStages:
     def preflight(self, recipe, steps, base_dir, cache_dir, out_dir, todo):
         """Pre-flight against the cluster's nodes (the largest one's memory and GPU), not against this driver's host."""
         from .. import preflight
+        from .publish import unpublished
 
         c = self.cluster
         c.check([Path(cache_dir)], {s.env for s in steps}, {s.kind for s in steps})
@@ -76,7 +77,7 @@ class RayStages:
             "disk": preflight.machine(cache_dir, out_dir)["disk"],
         }
         est = preflight.estimate(recipe, steps, base_dir, gpu, have["ram_bytes"])
-        bad = preflight.problems(recipe, est, have, todo)
+        bad = preflight.problems(recipe, est, have, todo, unpublished(steps, out_dir))
         for s in steps:
             tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
             why = c.infeasible(s.id, c.request(s.kind, est.get(s.id), tp)) if s.id in todo else None

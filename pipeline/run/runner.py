@@ -33,7 +33,7 @@ from .finish import finish_run
 from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, redact, secrets
-from .publish import PublishError
+from .publish import PublishError, unpublished
 from .record import RunRecord, close_dead_runs, index_run, new_run_dir, write_record
 from .schedule import Scheduler, default_jobs, gpus
 
@@ -123,7 +123,7 @@ class Runner(StepDispatch):
                 }
             )
         self.preflight_problems = preflight.problems(
-            self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"}
+            self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"}, unpublished(steps, self.out_dir)
         )
         return rows
 
