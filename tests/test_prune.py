@@ -251,13 +251,20 @@ def test_a_real_run_registers_its_keys_and_prune_keeps_what_its_rerun_hits(tiny,
     assert [r["run_id"] for r in runs] == [r["run_id"] for r in recorded]
     assert runs[0]["keys"] == {sid: st["key"] for sid, st in recorded[0]["stages"].items()}
     assert runs[0]["status"] == "ok" and runs[0]["pid"] > 0
+    lines = [json.loads(ln) for ln in (cache.root / RUNS_LOG).read_text().splitlines()]
+    assert [ln["status"] for ln in lines] == ["running", "ok", "running", "ok"] and "keys" in lines[0]  # keys first
 
     pruned = run_cli("cache", "prune", "--keep-runs", "1", "--cache", str(cache.root))
     assert pruned.returncode == 0, pruned.stderr
     assert "removed 1 entr(ies) (quantize 1)" in pruned.stdout
-    assert cache.lookup("quantize:fp8", runs[0]["keys"]["quantize:q"]) is None
+    assert cache.lookup("quantize:q", runs[0]["keys"]["quantize:q"]) is None
+    assert cache.lookup("quantize:q", runs[1]["keys"]["quantize:q"]) is not None
 
     dry = run_cli("run", "--dry-run", str(second))
     assert dry.returncode == 0, dry.stderr
-    plan = [ln for ln in (dry.stdout + dry.stderr).splitlines() if ln.strip().startswith(("merge", "quantize"))]
-    assert len(plan) == 2 and all(" hit " in f" {ln} " for ln in plan), plan
+    plan = [
+        ln.split("│")
+        for ln in (dry.stdout + dry.stderr).splitlines()
+        if ln.strip("│ ").startswith(("merge ", "quantize:q "))
+    ]
+    assert [[c.strip() for c in row][4] for row in plan] == ["hit", "hit"], dry.stderr
