@@ -21,6 +21,11 @@ from .run.prune import prune as prune_cache
 CACHE_HELP = "The stage cache (default: $QUANTPIPE_CACHE, else ~/.cache/quantpipe)."
 
 
+def counted(n: int, word: str, words: str | None = None) -> str:
+    """`1 entry`, `2 entries`."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
+
+
 def _root(cache_dir: str | None) -> Path:
     from .cache import default_root
 
@@ -50,13 +55,14 @@ def cache(ctx, cache_dir):
     for kind, (n, size, needed) in [*sorted(rows.items()), ("total", total)]:
         click.echo(f"  {kind:<10} {n:>7} {human_bytes(size):>10} {needed:>7}")
     click.echo(
-        f"needed: by the last {s.keep_runs} runs of each of {len(s.output_dirs)} output director(ies) "
-        f"({s.runs} run(s) recorded), {s.packages} published package(s) and {len(s.running)} running run(s)"
+        f"needed: by the last {counted(s.keep_runs, 'run')} of each of {counted(len(s.output_dirs), 'output directory', 'output directories')} "
+        f"({counted(s.runs, 'run')} recorded), {counted(s.packages, 'published package')} and "
+        f"{counted(len(s.running), 'running run')}"
     )
     if s.gone:
         click.echo(f"output directories gone (their runs keep nothing): {', '.join(s.gone)}")
     click.echo(
-        f"`quantpipe cache prune --keep-runs {s.keep_runs}` would remove {len(s.unneeded)} entr(ies) "
+        f"`quantpipe cache prune --keep-runs {s.keep_runs}` would remove {counted(len(s.unneeded), 'entry', 'entries')} "
         f"and free {human_bytes(s.reclaimable_bytes())}"
     )
 
@@ -86,9 +92,10 @@ def prune(ctx, keep_runs, cache_dir, dry_run):
     verb = "would remove" if dry_run else "removed"
     freed = "would free" if dry_run else "freed"
     click.echo(
-        f"{p.survey.root}: {verb} {len(p.removed)} entr(ies){by_kind}, {freed} {human_bytes(p.freed_bytes)}; kept "
-        f"{len(kept)} needed by the last {keep_runs} runs of {len(p.survey.output_dirs)} output director(ies), "
-        f"{p.survey.packages} published package(s) and {len(p.survey.running)} running run(s)"
+        f"{p.survey.root}: {verb} {counted(len(p.removed), 'entry', 'entries')}{by_kind}, {freed} "
+        f"{human_bytes(p.freed_bytes)}; kept {counted(len(kept), 'entry', 'entries')}, needed by the last "
+        f"{counted(keep_runs, 'run')} of {counted(len(p.survey.output_dirs), 'output directory', 'output directories')}, "
+        f"{counted(p.survey.packages, 'published package')} and {counted(len(p.survey.running), 'running run')}"
     )
     for e in p.locked:
         click.echo(f"skipped {e.stage} {e.key[:16]}: another process holds its lock (building or reading it)")
