@@ -34,8 +34,9 @@ def _root(cache_dir: str | None) -> Path:
 
 @click.group(invoke_without_command=True)
 @click.option("--cache", "cache_dir", default=None, metavar="DIR", help=CACHE_HELP)
+@click.option("--entries", "each", is_flag=True, help="Also list every entry: its size and what needs it.")
 @click.pass_context
-def cache(ctx, cache_dir):
+def cache(ctx, cache_dir, each):
     """What the stage cache holds: entries and bytes per stage kind, and which entries the last runs of each output
     directory, its published packages and running runs need. `quantpipe cache prune` removes the rest."""
     ctx.ensure_object(dict)["cache"] = cache_dir
@@ -61,6 +62,13 @@ def cache(ctx, cache_dir):
     )
     if s.gone:
         click.echo(f"output directories gone (their runs keep nothing): {', '.join(s.gone)}")
+    for e in s.entries if each else []:
+        click.echo(
+            f"  {e.stage:<24} {e.key[:16]}  {human_bytes(e.bytes):>10}  {'; '.join(e.needed_by) or 'not needed'}"
+        )
+    if s.runs == 0 and s.entries:
+        click.echo("no run has recorded itself in runs.jsonl yet: prune refuses until one has (run your recipes once)")
+        return
     click.echo(
         f"`quantpipe cache prune --keep-runs {s.keep_runs}` would remove {counted(len(s.unneeded), 'entry', 'entries')} "
         f"and free {human_bytes(s.reclaimable_bytes())}"

@@ -174,7 +174,7 @@ def test_the_entries_of_a_running_run_are_kept_and_a_dead_ones_are_not(tmp_path)
 
 
 def test_the_cache_command_shows_entries_bytes_and_what_is_needed_per_kind(tmp_path):
-    cache, _ = two_nights(tmp_path)
+    cache, out = two_nights(tmp_path)
     res = CliRunner().invoke(main, ["cache", "--cache", str(cache.root)])
     assert res.exit_code == 0, res.output
     rows = {ln.split()[0]: ln.split() for ln in res.output.splitlines()[2:6]}
@@ -183,6 +183,9 @@ def test_the_cache_command_shows_entries_bytes_and_what_is_needed_per_kind(tmp_p
     s = survey(cache.root)
     assert sum(e.bytes for e in s.entries) < sum(tree_bytes(cache.entry(e.stage, e.key)) for e in s.entries)
     assert "would remove 0 entries" in res.output
+    res = CliRunner().invoke(main, ["cache", "--cache", str(cache.root), "--entries"])
+    line = next(ln for ln in res.output.splitlines() if ln.split()[:2] == ["quantize:awq", "q1"])
+    assert line.endswith(f"run {out} night1")  # night2 built its own quantize entry
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ def survey(root: Path, keep_runs: int = DEFAULT_KEEP_RUNS) -> Survey:
     needs: dict[tuple[str, str], list[str]] = {}
 
     def need(keys, why: str) -> None:
-        for stage, key in (keys or {}).items():
+        for stage, key in keys.items() if isinstance(keys, dict) else ():
             needs.setdefault((stage, key), []).append(why)
 
     by_dir: dict[str, list[dict]] = {}
