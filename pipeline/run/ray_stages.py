@@ -15,8 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-from filelock import FileLock
-
 from ..envs import lock_hash, source_hash
 from .build import StageFailed
 from .process import exit_reason, tail
@@ -232,7 +230,7 @@ class RayStages:
                 break
             # another run holds the entry's lock: wait for it here, where waiting holds no cluster resources
             r.say(f"  [cyan]>[/cyan] {s.id:<24} another run is building this entry; waiting for it")
-            with FileLock(str(r.cache.entry(s.id, s.key)) + ".lock"):
+            with r.cache.lock(s.id, s.key):
                 marker = None if forced else r.cache.lookup(s.id, s.key)
             if marker is not None:
                 return marker, "hit"
