@@ -67,7 +67,7 @@ def cache(ctx, cache_dir, each):
             f"  {e.stage:<24} {e.key[:16]}  {human_bytes(e.bytes):>10}  {'; '.join(e.needed_by) or 'not needed'}"
         )
     if s.runs == 0 and s.entries:
-        click.echo("no run has recorded itself in runs.jsonl yet: prune refuses until one has (run your recipes once)")
+        click.echo("no run has recorded itself in runs.jsonl: prune refuses until one has (run your recipes once)")
         return
     click.echo(
         f"`quantpipe cache prune --keep-runs {s.keep_runs}` would remove {counted(len(s.unneeded), 'entry', 'entries')} "

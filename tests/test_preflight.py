@@ -197,7 +197,7 @@ def test_problems_name_stage_estimate_available_and_fix(tmp_path):
 
 
 def test_disk_counts_entries_on_the_cache_disk_and_package_copies_on_the_output_disk(tmp_path):
-    """A stage to build writes its entry to the cache's disk; a package not in output_dir yet is copied there, from a
+    """A stage to build writes its entry to the cache's disk; a package missing from output_dir is copied there, from a
     cache hit too. A full cache disk's refusal names `quantpipe cache prune`."""
     from quantpipe.run.publish import store_dir, unpublished
 

@@ -52,7 +52,7 @@ def store_dir(out_dir: Path, artifact: str, key: str) -> Path:
 
 
 def unpublished(steps, out_dir: Path) -> set[str]:
-    """The package stages whose package is not in `out_dir` yet: the run copies it there, from a cache hit too."""
+    """The package stages whose published copy is missing from `out_dir`: the run copies it there, from a cache hit too."""
     return {s.id for s in steps if s.kind == "package" and not store_dir(out_dir, s.artifact, s.key).is_dir()}
 
 
