@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..cache import StageCache, alive, freed_bytes, inodes
+from ..cache import RUNS_LOG, StageCache, alive, freed_bytes, inodes
 from .publish import published
 
 DEFAULT_KEEP_RUNS = 3
@@ -135,7 +135,7 @@ def prune(root: Path, keep_runs: int = DEFAULT_KEEP_RUNS, dry_run: bool = False)
     s = survey(root, keep_runs)
     if s.runs == 0 and s.entries:
         raise PruneError(
-            f"{root}: no run has recorded which entries it uses (no {root / 'runs.jsonl'}), so prune cannot tell what "
+            f"{root}: no run has recorded which entries it uses (no {root / RUNS_LOG}), so prune cannot tell what "
             "is needed; run your recipes once (their cached stages are reused) and prune again"
         )
     if dry_run:
