@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -225,26 +226,27 @@ def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "quantpipe", *args], capture_output=True, text=True, timeout=900)
 
 
+def tiny_recipe(tiny, tmp_path: Path, name: str, method: str) -> Path:
+    d = {
+        "name": "prune",
+        "output_dir": str(tmp_path / "out"),
+        "cache_dir": str(tmp_path / "cache"),
+        "base": {"model": str(tiny.llama)},
+        "artifacts": [{"name": "q", "method": method}],
+        "benchmark": {"enabled": False},
+        "package": {"enabled": False},
+    }
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(d))
+    return p
+
+
 @pytest.mark.slow
 def test_a_real_run_registers_its_keys_and_prune_keeps_what_its_rerun_hits(tiny, tmp_path):
     """Two runs that differ in the quantize stage; prune --keep-runs 1 removes the first run's quantize entry only,
     and a dry run of the second recipe is all cache hits."""
 
-    def recipe(name: str, method: str) -> Path:
-        d = {
-            "name": "prune",
-            "output_dir": str(tmp_path / "out"),
-            "cache_dir": str(tmp_path / "cache"),
-            "base": {"model": str(tiny.llama)},
-            "artifacts": [{"name": "q", "method": method}],
-            "benchmark": {"enabled": False},
-            "package": {"enabled": False},
-        }
-        p = tmp_path / name
-        p.write_text(yaml.safe_dump(d))
-        return p
-
-    first, second = recipe("a.yaml", "fp8"), recipe("b.yaml", "rtn")
+    first, second = tiny_recipe(tiny, tmp_path, "a.yaml", "fp8"), tiny_recipe(tiny, tmp_path, "b.yaml", "rtn")
     for r in (first, second):
         done = run_cli("run", str(r))
         assert done.returncode == 0, done.stderr
@@ -271,3 +273,50 @@ def test_a_real_run_registers_its_keys_and_prune_keeps_what_its_rerun_hits(tiny,
         if ln.strip("│ ").startswith(("merge ", "quantize:q "))
     ]
     assert [[c.strip() for c in row][4] for row in plan] == ["hit", "hit"], dry.stderr
+
+
+@pytest.mark.slow
+def test_prune_beside_a_running_build_leaves_it_whole(tiny, tmp_path):
+    """Prune while a run's quantize worker is mid-build (held stopped): the run's registration keeps the merge entry
+    it reads, its working folder stays, an older run's entry goes, and the run then finishes with whole entries."""
+    import psutil
+
+    cache = StageCache(tmp_path / "cache")
+    commit(cache, "quantize:q", "stale", {"model.safetensors": SHARD})
+    finished_run(cache, tmp_path / "out", "20260101-000000-1", {"quantize:q": "stale"})
+    run = subprocess.Popen(
+        [sys.executable, "-m", "quantpipe", "run", str(tiny_recipe(tiny, tmp_path, "r.yaml", "fp8"))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    building = str(cache.root / "stages" / "quantize" / "q" / ".")
+
+    def worker():
+        for p in psutil.Process(run.pid).children(recursive=True):
+            try:
+                if any(building in arg for arg in p.cmdline()):
+                    return p
+            except psutil.Error:
+                continue
+        return None
+
+    try:
+        deadline = time.monotonic() + 600
+        while (w := worker()) is None:
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:]
+            time.sleep(0.02)
+        w.suspend()
+        pruned = run_cli("cache", "prune", "--keep-runs", "1", "--cache", str(cache.root))
+        work = list((cache.root / "stages" / "quantize" / "q").glob(".*.tmp-*"))
+        w.resume()
+    finally:
+        err = run.communicate(timeout=600)[1]
+    assert pruned.returncode == 0, pruned.stderr
+    assert "removed 1 entry (quantize 1)" in pruned.stdout and "1 running run" in pruned.stdout
+    assert work, "prune swept the running build's working folder"
+    assert run.returncode == 0, err[-3000:]
+    keys = cache.runs()[-1]["keys"]
+    assert cache.lookup("quantize:q", "stale") is None
+    for stage in ("merge", "quantize:q"):
+        assert cache.verify_entry(stage, keys[stage], cache.lookup(stage, keys[stage])) == []
