@@ -218,7 +218,7 @@ class StageCache:
 
     def take_out(self, stage: str, key: str) -> Path | None:
         """Rename the entry, under its lock, to a leftover name that `sweep()` knows and return it for deleting; None
-        when another process holds the lock (it is building or reading the entry)."""
+        when another process holds the lock (a run building the entry, or waiting to reuse it)."""
         final = self.entry(stage, key)
         try:
             with self.lock(stage, key).acquire(timeout=0):

@@ -78,7 +78,7 @@ def cache(ctx, cache_dir, each):
 @cache.command()
 @click.option(
     "--keep-runs",
-    type=click.IntRange(min=1),
+    type=int,
     default=DEFAULT_KEEP_RUNS,
     show_default=True,
     metavar="N",
@@ -89,7 +89,7 @@ def cache(ctx, cache_dir, each):
 @click.pass_context
 def prune(ctx, keep_runs, cache_dir, dry_run):
     """Remove the cache entries that no kept run, published package (packages/<artifact> of an output directory)
-    or running run needs. Entries another process holds (building or reading them) are skipped and named."""
+    or running run needs. Entries whose lock another process holds (a run building them) are skipped and named."""
     try:
         p = prune_cache(_root(cache_dir or ctx.obj.get("cache")), keep_runs, dry_run=dry_run)
     except PruneError as e:
@@ -106,6 +106,6 @@ def prune(ctx, keep_runs, cache_dir, dry_run):
         f"{counted(p.survey.packages, 'published package')} and {counted(len(p.survey.running), 'running run')}"
     )
     for e in p.locked:
-        click.echo(f"skipped {e.stage} {e.key[:16]}: another process holds its lock (building or reading it)")
+        click.echo(f"skipped {e.stage} {e.key[:16]}: another process holds its lock (a run building it)")
     if dry_run:
         click.echo("nothing was removed (--dry-run)")

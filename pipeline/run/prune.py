@@ -1,7 +1,7 @@
 """Keeping the stage cache to what is needed: the entries of each output directory's last N runs, of its published
 packages and of every run still running stay; the rest goes. The cache's runs.jsonl says which entries each run
 used (every run writes its keys there before its first stage, and its status at its end). An entry goes by one rename
-under its lock, so a run building or reading it (holding the lock) makes prune skip it, and no run starts while prune
+under its lock, so an entry a run is building (holding the lock) is skipped, and no run registers while prune
 decides. Bytes are counted once per file (inode): a package entry's shards are hard links to its quantize entry's.
 
     survey(Path("~/.cache/quantpipe"), keep_runs=3)     # what the cache holds and which entries are needed
