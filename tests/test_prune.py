@@ -210,6 +210,24 @@ def test_bad_input_exits_2_with_a_sentence_and_writes_nothing(tmp_path, args, ne
     assert listing(tmp_path) == before
 
 
+def test_a_run_json_naming_this_cache_counts_as_a_run_where_runs_log_lacks_it(tmp_path):
+    """night3 has only its run.json (cache_dir this cache): it is the last run and keeps its entries; night4's names
+    another cache and keeps nothing here."""
+    from quantpipe.run.record import RunRecord, write_record
+
+    cache, out = two_nights(tmp_path)
+    commit(cache, "quantize:awq", "q3", {"model.safetensors": b"3"})
+    for run_id, where in (("night3", cache.root), ("night4", tmp_path / "other-cache")):
+        (out / "runs" / run_id).mkdir()
+        keys = {"merge": "m1", "quantize:awq": "q3"} if run_id == "night3" else {"quantize:awq": "q1"}
+        stages = {sid: {"key": key, "status": "ok"} for sid, key in keys.items()}
+        rec = RunRecord.of({"run_id": run_id, "cache_dir": str(where), "status": "ok", "stages": stages})
+        write_record(out / "runs" / run_id, rec, [])
+    p = prune(cache.root, keep_runs=1)
+    assert set(cache.entries()) == {("merge", "m1"), ("quantize:awq", "q3")}
+    assert len(p.removed) == 4
+
+
 def test_runs_log_survives_a_torn_line_and_merges_each_runs_start_and_end(tmp_path):
     cache, out = two_nights(tmp_path)
     with open(cache.root / RUNS_LOG, "a") as f:

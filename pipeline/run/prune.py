@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..cache import RUNS_LOG, StageCache, alive, freed_bytes, inodes
 from .publish import published
+from .record import RunRecord
 
 DEFAULT_KEEP_RUNS = 3
 
@@ -102,7 +103,7 @@ def survey(root: Path, keep_runs: int = DEFAULT_KEEP_RUNS) -> Survey:
         if not (Path(out_dir) / "runs").is_dir():
             gone.append(out_dir)
             continue
-        for r in of_dir[-keep_runs:]:
+        for r in with_records(Path(out_dir), root, of_dir)[-keep_runs:]:
             need(r.get("keys"), f"run {out_dir} {r['run_id']}")
         for artifact, keys in published(Path(out_dir)).items():
             need(keys, f"package {Path(out_dir) / 'packages' / artifact}")
@@ -127,6 +128,23 @@ def survey(root: Path, keep_runs: int = DEFAULT_KEEP_RUNS) -> Survey:
         running=[f"{r['output_dir']} {r['run_id']}" for r in running],
         packages=packages,
     )
+
+
+def with_records(out_dir: Path, root: Path, logged: list[dict]) -> list[dict]:
+    """The runs of `out_dir` on this cache, by start: those runs.jsonl lists, and those whose lines it lacks but whose
+    run.json names this cache (`cache_dir`; the keys: its stages')."""
+    runs = {r["run_id"]: r for r in logged}
+    for path in (out_dir / "runs").glob("*/run.json"):
+        if path.parent.name in runs:
+            continue
+        try:
+            rec = RunRecord.read(path)
+        except (OSError, ValueError):
+            continue
+        if rec.cache_dir and Path(rec.cache_dir).resolve() == root.resolve():
+            keys = {sid: st.key for sid, st in rec.stages.items() if st.key}
+            runs[path.parent.name] = {"run_id": path.parent.name, "status": rec.status, "keys": keys}
+    return [runs[k] for k in sorted(runs)]  # run ids start with the UTC start time
 
 
 def prune(root: Path, keep_runs: int = DEFAULT_KEEP_RUNS, dry_run: bool = False) -> Pruned:
