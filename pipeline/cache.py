@@ -4,6 +4,8 @@ A stage's key hashes its config, the keys of the stages it reads, the content of
 size and mtime) and its environment lock. An entry is `<root>/stages/<stage>/<key>/` holding `out/` and a marker
 `entry.json` written last; it appears under its final name by one `rename`, so a reader sees a whole entry or none.
 The marker records each output file's size and sha256, so a truncated, deleted or flipped file is found and rebuilt.
+`<root>/runs.jsonl` says which entries each run uses: a line when it starts (its pid and keys), a line when it ends;
+`quantpipe cache prune` keeps what recent runs, published packages and running runs need (run/prune.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import re
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 MARKER = "entry.json"
+RUNS_LOG = "runs.jsonl"
 _LEFTOVER = re.compile(r"\.(?:tmp|old|bad)-(\d+)-\d+$")  # .<key>.tmp-<pid>-<ns>: begin(), commit(), discard()
 
 
@@ -111,6 +117,11 @@ class ContentHasher:
         self.dirty = False
 
 
+def default_root() -> Path:
+    """The stage cache a recipe without cache_dir uses: $QUANTPIPE_CACHE, else ~/.cache/quantpipe."""
+    return Path(os.environ.get("QUANTPIPE_CACHE", Path.home() / ".cache" / "quantpipe"))
+
+
 class StageCache:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -189,6 +200,70 @@ class StageCache:
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
 
+    def lock(self, stage: str, key: str) -> FileLock:
+        """The entry's lock: held while a run builds the entry and while prune takes it out."""
+        return FileLock(str(self.entry(stage, key)) + ".lock")
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(stage, key) of every committed entry, oldest commit first."""
+        found = []
+        for kind in sorted((self.root / "stages").glob("[!.]*")):
+            for d in kind.glob("[!.]*"):
+                if (d / MARKER).is_file():
+                    found.append((kind.name, d.name, d))
+                    continue
+                found += [(f"{kind.name}:{d.name}", e.name, e) for e in d.glob("[!.]*") if (e / MARKER).is_file()]
+        found.sort(key=lambda f: (_mtime(f[2] / MARKER), f[0], f[1]))
+        return [(stage, key) for stage, key, _ in found]
+
+    def take_out(self, stage: str, key: str) -> Path | None:
+        """Rename the entry, under its lock, to a leftover name that `sweep()` knows and return it for deleting; None
+        when another process holds the lock (a run building the entry, or waiting to reuse it)."""
+        final = self.entry(stage, key)
+        try:
+            with self.lock(stage, key).acquire(timeout=0):
+                trash = final.parent / f".{key}.bad-{os.getpid()}-{time.monotonic_ns()}"
+                os.rename(final, trash)
+                _fsync_dir(final.parent)
+                return trash
+        except Timeout:
+            return None
+
+    @contextmanager
+    def runs_locked(self):
+        """Hold runs.jsonl's lock: no run starts (registers its keys) meanwhile."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.root / RUNS_LOG) + ".lock"):
+            yield
+
+    def log_run(self, line: dict) -> None:
+        """Append one line to runs.jsonl, whole (one write under its lock): a run's start, with its pid and the keys
+        of every stage it uses, or its end, with its status."""
+        data = (json.dumps(line, sort_keys=True, default=str) + "\n").encode()
+        with self.runs_locked():
+            fd = os.open(self.root / RUNS_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def runs(self) -> list[dict]:
+        """The runs runs.jsonl records, in start order, each run's lines merged (by output_dir and run_id)."""
+        runs: dict[tuple, dict] = {}
+        try:
+            lines = (self.root / RUNS_LOG).read_text().splitlines()
+        except OSError:
+            return []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+                who = (rec["output_dir"], rec["run_id"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line torn by a full disk
+            runs[who] = {**runs.get(who, {}), **rec}
+        return list(runs.values())
+
     def sweep(self) -> None:
         """Remove working folders and half-deleted entries left by runs that died (their pid is gone)."""
         stages = self.root / "stages"
@@ -198,6 +273,32 @@ class StageCache:
             m = _LEFTOVER.search(p.name)
             if m and p.is_dir() and not alive(int(m.group(1))):
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def inodes(dirs) -> dict:
+    """Every file below `dirs` once per inode: (dev, inode) -> [size, links it has, links to it found below `dirs`]."""
+    seen: dict[tuple, list] = {}
+    for d in dirs:
+        for dirpath, _, filenames in os.walk(d):
+            for name in filenames:
+                try:
+                    st = os.lstat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                seen.setdefault((st.st_dev, st.st_ino), [st.st_size, st.st_nlink, 0])[2] += 1
+    return seen
+
+
+def freed_bytes(seen: dict) -> int:
+    """The bytes deleting the trees `inodes()` walked gives back: files with no link left elsewhere."""
+    return sum(size for size, nlink, found in seen.values() if found >= nlink)
+
+
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def alive(pid: int) -> bool:

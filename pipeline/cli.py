@@ -8,6 +8,7 @@
     quantpipe compare RUN_A RUN_B
     quantpipe doctor                        # platform, GPUs, environments, which schemes vLLM serves here
     quantpipe history out/demo              # history.html: every artifact's figures across runs
+    quantpipe cache prune --keep-runs 3     # remove stage cache entries no recent run or package needs
 
 Exit codes: 0 ok; 1 a stage or the run failed; 2 bad input (recipe, arguments); 3 a release gate
 or a comparison found a regression.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from .cli_cache import cache
 from .cli_input import EXIT_GATE, BadInput, check_uri, load_checked
 from .cli_run import run
 from .recipe import json_schema
@@ -81,6 +83,7 @@ def doctor(as_json, no_vllm):
 
 
 main.add_command(run)
+main.add_command(cache)
 
 
 @main.command()

@@ -1,6 +1,6 @@
 """Where a run writes against what it reads: output_dir and the stage cache must be directories quantpipe may create, apart from every input.
 
-A run writes `<output_dir>/runs/`, `packages/` and a lock file, and `<cache>/stages/`, `tmp/` and `hashes.json`. Inside an
+A run writes `<output_dir>/runs/`, `packages/` and a lock file, and `<cache>/stages/`, `tmp/`, `hashes.json` and `runs.jsonl`. Inside an
 input (the base model, an adapter, a task folder) those files would change the input's content hash, so every later run
 would miss the cache; an input inside them could be replaced or swept. Checked before anything is written:
 
@@ -17,6 +17,7 @@ CACHE_WRITES = (
     "stages",
     "tmp",
     "hashes.json",
+    "runs.jsonl",
 )  # what the runner writes under the cache root; the rest of it is not ours
 
 

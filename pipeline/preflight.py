@@ -20,6 +20,7 @@ from .common.hf_config import read_config, text_part
 from .common.nvidia import nvidia_smi, visible_gpus
 from .common.safetensors import param_count
 from .common.vllm_support import DEFAULT_CPU_KV_BYTES, GPU_OVERHEAD_BYTES, KV_HEADROOM, gpu_kv_bytes
+from .run.publish import unpublished
 
 GIB = 2**30
 RUNTIME_BYTES = {"quantize": int(1.5 * GIB), "serve": 3 * GIB}  # torch + libraries; vLLM's engine and API processes
@@ -337,9 +338,10 @@ def _disk(p: Path) -> dict | None:
 # --- the verdict --------------------------------------------------------------------------------
 
 
-def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[str]:
-    """Sentences for every stage in `to_build` that will not fit; [] when all do (or nothing is known)."""
-    out = []
+def problems(recipe, estimates: dict, have: dict, to_build: set[str], to_publish: set[str] | None = None) -> list[str]:
+    """Sentences for every stage in `to_build` that will not fit; [] when all do (or nothing is known). Disk: the stages
+    to build write the cache, the packages `to_publish` (default: those to build) are copied into output_dir."""
+    out, publish = [], to_build if to_publish is None else to_publish
     for sid, e in estimates.items():
         if sid not in to_build:
             continue
@@ -369,7 +371,7 @@ def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[st
                 )
     need = {
         "cache": sum(e["disk_cache_bytes"] for s, e in estimates.items() if s in to_build),
-        "output": sum(e["disk_output_bytes"] for s, e in estimates.items() if s in to_build),
+        "output": sum(e["disk_output_bytes"] for s, e in estimates.items() if s in publish),
     }
     disks = have.get("disk") or {}
     if disks.get("cache") and disks.get("output") and disks["cache"]["dev"] == disks["output"]["dev"]:
@@ -378,9 +380,10 @@ def problems(recipe, estimates: dict, have: dict, to_build: set[str]) -> list[st
         d = disks.get(where)
         if d and n > d["free_bytes"]:
             knob = "cache_dir (or $QUANTPIPE_CACHE)" if where == "cache" else "output_dir"
+            prune = " (`quantpipe cache prune` removes entries no recent run needs)" if where == "cache" else ""
             out.append(
-                f"the stages to run write about {_gib(n)} to {d['path']} but {_gib(d['free_bytes'])} is free there; "
-                f"free some space or point {knob} at a larger disk"
+                f"the run writes about {_gib(n)} to {d['path']} but {_gib(d['free_bytes'])} is free there; "
+                f"free some space{prune} or point {knob} at a larger disk"
             )
     return out
 
@@ -456,7 +459,7 @@ def check(
     """Estimate, compare, raise PreflightError on a stage that will not fit; return (estimates, machine)."""
     have = machine(cache_dir, out_dir, gpu_cap_bytes)
     est = estimate(recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
-    bad = problems(recipe, est, have, to_build)
+    bad = problems(recipe, est, have, to_build, unpublished(steps, out_dir))
     if bad and os.environ.get("QUANTPIPE_PREFLIGHT", "").lower() not in ("off", "0", "false", "no"):
         raise PreflightError(
             "pre-flight: this run would not fit the machine:\n"

@@ -16,7 +16,9 @@
 # on PATH), QUANTPIPE_NIGHTLY_ARGS (extra `quantpipe run` arguments, e.g. "--force benchmark" or
 # "--stage-timeout 120" so that a hung stage cannot hold the night), QUANTPIPE_MLFLOW (a tracking server URI: each
 # run is logged there, and afterwards every night a server that was down has missed is pushed; without it a
-# recipe's own `tracking.mlflow` still applies to its run).
+# recipe's own `tracking.mlflow` still applies to its run), QUANTPIPE_NIGHTLY_KEEP (after each run that went to its
+# end, exit 0 or 3, `quantpipe cache prune --keep-runs N` on that run's stage cache: the entries of each output
+# directory's last N runs, of its published packages and of running runs stay; default 3, 0 or off: no pruning).
 set -u -o pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +34,12 @@ elif command -v quantpipe >/dev/null; then
   qp=(quantpipe)
 else
   echo "nightly: no quantpipe command; set QUANTPIPE or run scripts/setup_envs.sh" >&2
+  exit 2
+fi
+keep="${QUANTPIPE_NIGHTLY_KEEP:-3}"
+if [[ "$keep" == off ]]; then keep=0; fi
+if ! [[ "$keep" =~ ^[0-9]+$ ]]; then
+  echo "nightly: QUANTPIPE_NIGHTLY_KEEP=$keep is not a number of runs; set it to N (keep each output directory's last N runs' cache entries) or to 0 or off (no pruning)" >&2
   exit 2
 fi
 read -r -a extra <<<"${QUANTPIPE_NIGHTLY_ARGS:-}"
@@ -117,7 +125,18 @@ PY
   if [[ -n "$mlflow" ]] && ! "${qp[@]}" history "$out_dir" --push-mlflow "$mlflow" >>"$run_dir/history.txt" 2>&1; then
     hist="$hist; MLflow push failed: $(tail -n 1 "$run_dir/history.txt") (the next night pushes it)"
   fi
-  summary+=("$recipe: run $verdict; $cmp; report $run_dir/report.html; $hist")
+  pruned=""
+  if (( keep > 0 )) && (( rc == 0 || rc == 3 )); then
+    # the stage cache this run used, as its record names it
+    cache_dir="$("$py" -c 'import json,sys; print(json.load(open(sys.argv[1]))["cache_dir"])' "$run_dir/run.json" 2>/dev/null)"
+    if [[ -n "$cache_dir" ]] && "${qp[@]}" cache prune --keep-runs "$keep" --cache "$cache_dir" >"$run_dir/prune.txt" 2>&1; then
+      pruned="; cache $(head -n 1 "$run_dir/prune.txt")"
+    else
+      pruned="; CACHE PRUNE FAILED: $(tail -n 1 "$run_dir/prune.txt" 2>/dev/null)"
+      worst 1
+    fi
+  fi
+  summary+=("$recipe: run $verdict; $cmp; report $run_dir/report.html; $hist$pruned")
 done
 
 echo "=== nightly summary"

@@ -196,6 +196,31 @@ def test_problems_name_stage_estimate_available_and_fix(tmp_path):
     assert any(str(tmp_path) in p and "cache_dir" in p for p in bad) and any("output_dir" in p for p in bad)
 
 
+def test_disk_counts_entries_on_the_cache_disk_and_package_copies_on_the_output_disk(tmp_path):
+    """A stage to build writes its entry to the cache's disk; a package missing from output_dir is copied there, from a
+    cache hit too. A full cache disk's refusal names `quantpipe cache prune`."""
+    from quantpipe.run.publish import store_dir, unpublished
+
+    m = model_dir(tmp_path, LLAMA)
+    r = recipe(tmp_path, m)
+    steps = build_steps(r, str(m))
+    for s in steps:
+        s.key = f"key-of-{s.id}"
+    est = preflight.estimate(r, steps, str(m), gpu=None)
+    out = Path(r.output_dir)
+    assert unpublished(steps, out) == {"package:awq", "package:gptq", "package:fp8"}
+    store_dir(out, "fp8", "key-of-package:fp8").mkdir(parents=True)
+    assert unpublished(steps, out) == {"package:awq", "package:gptq"}
+    cache_disk, out_disk = {"path": "/c", "free_bytes": 100 * GIB, "dev": 1}, {"path": "/o", "free_bytes": 1, "dev": 2}
+    have = {"ram_bytes": None, "gpu": None, "disk": {"cache": cache_disk, "output": out_disk}}
+    bad = preflight.problems(r, est, have, set(), {"package:awq"})  # every stage a hit, one package still to copy
+    assert len(bad) == 1 and "to /o but" in bad[0] and "output_dir" in bad[0]
+    assert preflight.problems(r, est, have, set(), set()) == []
+    full = {**have, "disk": {"cache": {**cache_disk, "free_bytes": 1}, "output": {**out_disk, "free_bytes": 100 * GIB}}}
+    bad = preflight.problems(r, est, full, {"quantize:awq"}, set())
+    assert len(bad) == 1 and "to /c but" in bad[0] and "`quantpipe cache prune`" in bad[0]
+
+
 def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     """A ~10T-parameter model: no machine has the memory; exit 2, the stage named, nothing written."""
     big = {

@@ -787,6 +787,9 @@ def test_nightly_usage_and_bad_recipe(tmp_path):
     bad.write_text("name: x\n")
     r = subprocess.run(["bash", str(NIGHTLY), str(bad)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and f"{bad}: INVALID RECIPE" in r.stdout
+    env = {**__import__("os").environ, "QUANTPIPE_NIGHTLY_KEEP": "three"}
+    r = subprocess.run(["bash", str(NIGHTLY), str(bad)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "QUANTPIPE_NIGHTLY_KEEP=three is not a number of runs" in r.stderr
 
 
 @pytest.mark.slow
@@ -812,6 +815,8 @@ def test_nightly_runs_and_compares_with_last_good(tmp_path):
     second = subprocess.run(["bash", str(NIGHTLY), str(recipe)], capture_output=True, text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "run ok; no regression" in second.stdout
+    # the cache pruned after each night: the merge entry both nights share is needed
+    assert ": removed 0 entries, freed 0 B; kept 1 entry, needed by the last 3 runs" in second.stdout
     runs = [json.loads(line) for line in (tmp_path / "out" / "runs" / "index.jsonl").read_text().splitlines()]
     assert [r["status"] for r in runs] == ["ok", "ok"]
     text = (Path(runs[1]["run_dir"]) / "compare.txt").read_text()

@@ -15,8 +15,6 @@ import threading
 import time
 from pathlib import Path
 
-from filelock import FileLock
-
 from ..common import measure_gate
 from ..common.vllm_support import GPU_BYTES_ENV
 from ..envs import python_for
@@ -55,7 +53,7 @@ class Builder:
     ) -> tuple[dict, str]:
         """Under the entry's lock: another run may be building the same entry; wait, then reuse it."""
         self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(self.r.cache.entry(s.id, s.key)) + ".lock"):
+        with self.r.cache.lock(s.id, s.key):
             marker = None if forced else self.r.cache.lookup(s.id, s.key)
             return (marker, "hit") if marker is not None else (self.build(s, base_dir, run_dir, grant), state)
 
@@ -81,8 +79,8 @@ class Builder:
         for s in (b, e):
             self.r.cache.entry(s.id, s.key).parent.mkdir(parents=True, exist_ok=True)
         with (
-            FileLock(str(self.r.cache.entry(b.id, b.key)) + ".lock"),
-            FileLock(str(self.r.cache.entry(e.id, e.key)) + ".lock"),
+            self.r.cache.lock(b.id, b.key),
+            self.r.cache.lock(e.id, e.key),
         ):
             have = {s.id: None if forced[s.id] else self.r.cache.lookup(s.id, s.key) for s in (e, b)}
             if not any(have.values()):

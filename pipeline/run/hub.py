@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from ..cache import default_root
 from ..recipe import Recipe
 
 
@@ -15,7 +15,7 @@ class HubError(Exception):
 def cache_root(recipe: Recipe) -> Path:
     if recipe.cache_dir:
         return Path(recipe.cache_dir)
-    return Path(os.environ.get("QUANTPIPE_CACHE", Path.home() / ".cache" / "quantpipe"))
+    return default_root()
 
 
 def resolve_base(recipe: Recipe, dry_run: bool) -> str:

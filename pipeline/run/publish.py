@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +15,7 @@ class PublishError(Exception):
 def publish(out_dir: Path, artifact: str, src: Path, key: str) -> Path:
     """Copy a package out of the cache and swap it in atomically: packages/<artifact> is a link."""
     pk = out_dir / "packages"
-    store = pk / ".store" / f"{artifact}-{key[:16]}"
+    store = store_dir(out_dir, artifact, key)
     for d in (pk, pk / ".store"):
         if d.is_symlink():  # planted: publishing through it would write outside the output directory
             raise PublishError(
@@ -43,3 +44,29 @@ def publish(out_dir: Path, artifact: str, src: Path, key: str) -> Path:
         if old != store:
             shutil.rmtree(old, ignore_errors=True)
     return link
+
+
+def store_dir(out_dir: Path, artifact: str, key: str) -> Path:
+    """Where the package of `artifact` built as entry `key` is published: packages/.store/<artifact>-<key[:16]>."""
+    return Path(out_dir) / "packages" / ".store" / f"{artifact}-{key[:16]}"
+
+
+def unpublished(steps, out_dir: Path) -> set[str]:
+    """The package stages whose published copy is missing from `out_dir`: the run copies it there, from a cache hit too."""
+    return {s.id for s in steps if s.kind == "package" and not store_dir(out_dir, s.artifact, s.key).is_dir()}
+
+
+def published(out_dir: Path) -> dict[str, dict]:
+    """Each live package of `out_dir` (a packages/<artifact> link): its manifest's stage keys, {stage id: key}."""
+    from ..stages.package.verify import MANIFEST
+
+    found = {}
+    pk = Path(out_dir) / "packages"
+    for link in sorted(pk.glob("[!.]*")) if pk.is_dir() else []:
+        try:
+            keys = json.loads((link / MANIFEST).read_text()).get("stage_keys")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(keys, dict):
+            found[link.name] = {str(k): str(v) for k, v in keys.items()}
+    return found

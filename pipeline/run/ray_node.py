@@ -141,7 +141,7 @@ def run_stage(job: dict) -> dict:
         for j in jobs:
             entry = cache.entry(j["stage"], j["key"])
             entry.parent.mkdir(parents=True, exist_ok=True)
-            lock = FileLock(str(entry) + ".lock")
+            lock = cache.lock(j["stage"], j["key"])
             try:
                 lock.acquire(timeout=0)
             except Timeout:

@@ -15,8 +15,6 @@ import os
 import shutil
 from pathlib import Path
 
-from filelock import FileLock
-
 from ..envs import lock_hash, source_hash
 from .build import StageFailed
 from .process import exit_reason, tail
@@ -65,6 +63,7 @@ class RayStages:
     def preflight(self, recipe, steps, base_dir, cache_dir, out_dir, todo):
         """Pre-flight against the cluster's nodes (the largest one's memory and GPU), not against this driver's host."""
         from .. import preflight
+        from .publish import unpublished
 
         c = self.cluster
         c.check([Path(cache_dir)], {s.env for s in steps}, {s.kind for s in steps})
@@ -76,7 +75,7 @@ class RayStages:
             "disk": preflight.machine(cache_dir, out_dir)["disk"],
         }
         est = preflight.estimate(recipe, steps, base_dir, gpu, have["ram_bytes"])
-        bad = preflight.problems(recipe, est, have, todo)
+        bad = preflight.problems(recipe, est, have, todo, unpublished(steps, out_dir))
         for s in steps:
             tp = (s.inp.benchmark.engine.tensor_parallel_size or 1) if s.kind == "benchmark" else 1
             why = c.infeasible(s.id, c.request(s.kind, est.get(s.id), tp)) if s.id in todo else None
@@ -231,7 +230,7 @@ class RayStages:
                 break
             # another run holds the entry's lock: wait for it here, where waiting holds no cluster resources
             r.say(f"  [cyan]>[/cyan] {s.id:<24} another run is building this entry; waiting for it")
-            with FileLock(str(r.cache.entry(s.id, s.key)) + ".lock"):
+            with r.cache.lock(s.id, s.key):
                 marker = None if forced else r.cache.lookup(s.id, s.key)
             if marker is not None:
                 return marker, "hit"

@@ -12,6 +12,7 @@ one server. A run writes `<output_dir>/runs/<run_id>/` (run.json, run.log, logs/
 from __future__ import annotations
 
 import logging
+import os
 import re
 import signal
 import threading
@@ -32,7 +33,7 @@ from .finish import finish_run
 from .hub import HubError, cache_root, resolve_base
 from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, redact, secrets
-from .publish import PublishError
+from .publish import PublishError, unpublished
 from .record import RunRecord, close_dead_runs, index_run, new_run_dir, write_record
 from .schedule import Scheduler, default_jobs, free_bytes, gpus
 
@@ -126,7 +127,7 @@ class Runner(StepDispatch):
                 }
             )
         self.preflight_problems = preflight.problems(
-            self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"}
+            self.recipe, est, have, {r["stage"] for r in rows if r["cache"] != "hit"}, unpublished(steps, self.out_dir)
         )
         return rows
 
@@ -206,6 +207,13 @@ class Runner(StepDispatch):
         write_record(run_dir, record, self.secret_values)
         old_handlers = self._trap_signals()
         try:
+            self._log_run(
+                run_id,
+                status="running",
+                pid=os.getpid(),
+                started_at=record.started_at,
+                keys={s.id: s.key for s in steps},
+            )
             self.hasher.save()
             self.say(f"[bold]quantpipe[/bold] run {run_id}: {len(steps)} stages, cache {self.cache.root}")
             failed: dict[str, str] = {}
@@ -224,11 +232,24 @@ class Runner(StepDispatch):
             record.wall_s = round(time.time() - t_start, 2)
             write_record(run_dir, record, self.secret_values)
             index_run(self.out_dir, record, run_dir)
+            self._log_run(run_id, status=record.status, finished_at=record.finished_at)
             self._restore_signals(old_handlers)
             logging.getLogger("quantpipe").removeHandler(handler)
             handler.close()
         self.say(f"run.json: {run_dir / 'run.json'}")
         return {"ok": 0, "gate_failed": EXIT_GATE}.get(record.status, EXIT_FAILED)
+
+    def _log_run(self, run_id: str, **fields) -> None:
+        """The run's line in the cache's runs.jsonl: at its start (before any stage) the keys it uses, which
+        `quantpipe cache prune` keeps while the run lives; at its end its status."""
+        line = {"output_dir": str(self.out_dir.resolve()), "run_id": run_id, **fields}
+        if fields["status"] == "running":
+            self.cache.log_run(line)  # a run that cannot say what it uses must not run: prune could take it
+            return
+        try:
+            self.cache.log_run(line)
+        except OSError as e:  # a full disk: the run's record is written all the same; prune counts the run as started
+            log.warning("could not record the run's end in %s: %s", self.cache.root, e)
 
     def _trap_signals(self):
         def handler(signum, frame):
