@@ -51,6 +51,7 @@ from quantpipe.recipe import (
     W8A8Int8,
     Workload,
 )
+from quantpipe.stages.evaluate.validation import nested_quantifier
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(
@@ -592,6 +593,7 @@ def _valid_val_row(line: str) -> bool:
             re.compile(ref)
         except re.error:
             return False
+        return nested_quantifier(ref) is None
     return True
 
 

@@ -422,6 +422,16 @@ def test_report_without_benchmark_or_evaluation(tmp_path):
     assert all(p.exists() for p in paths)
 
 
+def test_the_report_names_validation_rows_that_timed_out(tmp_path):
+    def slow_row(r):
+        r["stages"]["evaluate:fp8"]["metrics"]["validation"]["timed_out"] = ["data/val.jsonl:7"]
+
+    write_report(make_record(tweak=slow_row), tmp_path, tmp_path)
+    for name in ("report.md", "report.html"):
+        text = (tmp_path / name).read_text()
+        assert "ran past the time limit: data/val.jsonl:7" in text, name
+
+
 def test_a_run_narrowed_by_artifacts_reports_and_compares_only_what_it_built(tmp_path):
     """`quantpipe run --artifacts fp8` records fp8 alone: the report's rows and decision name no other artifact of the
     recipe, and compared with a run of all of them the others are absent from it, not regressions."""
