@@ -30,6 +30,7 @@ def problems(recipe) -> list[str]:
     out = places.problems(recipe)
     needs_template = _data_problems(recipe, out)
     model_dir = Path(recipe.base.model) if recipe.base.is_local else _hub_snapshot(recipe)
+    out += _link_problems(recipe, model_dir)
     if recipe.base.is_local:
         for i, a in enumerate(recipe.adapters):
             msg = adapter_mismatch(Path(a.path), model_dir)
@@ -39,6 +40,20 @@ def problems(recipe) -> list[str]:
         out += fit.problems(recipe, model_dir)
         out += fit.chat_template_problems(recipe, model_dir, needs_template)
     out += lm_tasks.problems(recipe)
+    return out
+
+
+def _link_problems(recipe, model_dir: Path | None) -> list[str]:
+    """Links in the base model or an adapter folder whose target lies outside it (common/links.py)."""
+    from .common.links import escape_sentence, escaping_links
+
+    folders = [("base.model", model_dir)] if model_dir is not None else []
+    folders += [(f"adapters.{i}.path", Path(a.path)) for i, a in enumerate(recipe.adapters)]
+    out = []
+    for field, folder in folders:
+        links = escaping_links(folder)
+        if links:
+            out.append(escape_sentence(field, folder, links))
     return out
 
 

@@ -590,6 +590,46 @@ def test_output_dir_without_write_permission_is_refused(world):
     refused(world, "check", d, "output_dir", "no permission to write in")
 
 
+# --- links that leave an input folder ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("folder,field", [("model", "base.model"), ("adapter", "adapters.0.path")])
+def test_a_link_leaving_the_model_or_adapter_folder_is_refused(world, command, folder, field):
+    secret = world / "secret.txt"
+    secret.write_text("the host's private key\n")
+    (world / folder / "chat_template.jinja").symlink_to(secret)
+    refused(world, command, good(), field, "chat_template.jinja -> " + str(secret), "replace each link with a copy")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_linked_folder_leaving_the_model_is_refused(world, command):
+    (world / "elsewhere").mkdir()
+    (world / "model" / "extra").symlink_to(world / "elsewhere")
+    refused(world, command, good(), "base.model", "extra -> " + str(world / "elsewhere"))
+
+
+def test_links_inside_the_folder_and_the_hub_caches_own_blob_links_pass(world):
+    (world / "model" / "templates").mkdir()
+    (world / "model" / "templates" / "chat.jinja").write_text("{{ messages }}")
+    (world / "model" / "chat_template.jinja").symlink_to(Path("templates") / "chat.jinja")
+    res, before, after = invoke(world, "check", good())
+    assert res.exit_code == 0, res.output
+    # a snapshot of the hub cache: every file a link into the repository's blobs/
+    repo = world / "hub" / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted((world / "model").iterdir()):
+        if f.is_file() and not f.is_symlink():
+            (blobs / f.name).write_bytes(f.read_bytes())
+            (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f.name)
+    d = good()
+    d["base"]["model"] = str(snap)
+    res, before, after = invoke(world, "check", d)
+    assert res.exit_code == 0, res.output
+
+
 # --- lm-eval's index, the light way ---------------------------------------------------------------
 
 
