@@ -630,6 +630,38 @@ def test_links_inside_the_folder_and_the_hub_caches_own_blob_links_pass(world):
     assert res.exit_code == 0, res.output
 
 
+# --- task code needs consent ------------------------------------------------------------------------
+
+CODE_TASKS = {
+    "!function": "process_docs: !function steal.process_docs\n",
+    "class:": "class: !function steal.StealTask\n",
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("kind", sorted(CODE_TASKS))
+def test_task_code_in_the_include_path_needs_consent_and_never_runs_at_check(world, command, kind):
+    marker = world / "ran.txt"
+    (world / "tasks" / "steal.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\ndef process_docs(d):\n    return d\nclass StealTask:\n    pass\n"
+    )
+    task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl") + CODE_TASKS[kind]
+    (world / "tasks" / "refuse.yaml").write_text(task)
+    refused(world, command, good(), "evaluation.lm_eval.include_path", "(refuse.yaml: ", kind, "trust_task_code: true")
+    assert not marker.exists()
+    d = good()
+    d["evaluation"]["lm_eval"]["trust_task_code"] = True
+    res, before, after = invoke(world, "check", d)
+    assert res.exit_code == 0 and after == before and not marker.exists(), res.output
+
+
+def test_a_function_tag_in_a_comment_or_string_is_not_code(world):
+    task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl")
+    (world / "tasks" / "refuse.yaml").write_text(task + "# process_docs: !function utils.f\ndescription: '!function'\n")
+    res, before, after = invoke(world, "check", good())
+    assert res.exit_code == 0 and after == before, res.output
+
+
 # --- lm-eval's index, the light way ---------------------------------------------------------------
 
 

@@ -432,6 +432,17 @@ def test_the_report_names_validation_rows_that_timed_out(tmp_path):
         assert "ran past the time limit: data/val.jsonl:7" in text, name
 
 
+def test_the_report_records_whether_task_code_was_trusted(tmp_path):
+    def trusted(r):
+        r["recipe"].setdefault("evaluation", {})["lm_eval"] = {"tasks": ["tiny_qa"], "trust_task_code": True}
+
+    write_report(make_record(), tmp_path / "a", tmp_path / "a")
+    write_report(make_record(tweak=trusted), tmp_path / "b", tmp_path / "b")
+    assert "trust_task_code false" in (tmp_path / "a" / "report.md").read_text()
+    assert "trust_task_code true" in (tmp_path / "b" / "report.md").read_text()
+    assert "trust_task_code <code>true</code>" in (tmp_path / "b" / "report.html").read_text()
+
+
 def test_a_run_narrowed_by_artifacts_reports_and_compares_only_what_it_built(tmp_path):
     """`quantpipe run --artifacts fp8` records fp8 alone: the report's rows and decision name no other artifact of the
     recipe, and compared with a run of all of them the others are absent from it, not regressions."""
