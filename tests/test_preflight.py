@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import safetensors
 
 from quantpipe import preflight
 from quantpipe.cli import main
@@ -209,7 +210,8 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, m
         "vocab_size": 256000,
     }
     m = model_dir(tmp_path, big)
-    (m / "model.safetensors").write_bytes(b"\0" * 8)  # unreadable header: the count comes from the config
+    safetensors(m / "model.safetensors", {})  # a header without tensors: the count comes from the config
+    (m / "tokenizer_config.json").write_text("{}")
     (tmp_path / "cal.jsonl").write_text('{"text": "hello"}\n')
     r = {
         "name": "big",

@@ -662,6 +662,107 @@ def test_a_function_tag_in_a_comment_or_string_is_not_code(world):
     assert res.exit_code == 0 and after == before, res.output
 
 
+# --- damaged and inconsistent files ------------------------------------------------------------------
+
+
+def truncate(path: Path, n: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:-n])
+
+
+def adapter_config(world: Path, **over) -> None:
+    p = world / "adapter" / "adapter_config.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), **over}))
+
+
+DAMAGED = {
+    "a truncated model shard": (
+        lambda w: truncate(w / "model" / "model.safetensors", 100),
+        ["base.model", "model.safetensors is", "but its header says", "truncated", "download or copy it again"],
+    ),
+    "a truncated adapter": (
+        lambda w: truncate(w / "adapter" / "adapter_model.safetensors", 1),
+        ["adapters.0.path", "adapter_model.safetensors is", "truncated"],
+    ),
+    "a garbled model header": (
+        lambda w: (w / "model" / "model.safetensors").write_bytes(
+            b"\x10" + b"\0" * 7 + b"not json at all!" + b"\0" * 64
+        ),
+        ["base.model", "is not a readable safetensors file"],
+    ),
+    "an adapter whose rank is not its config's": (
+        lambda w: adapter_config(w, r=4),
+        ["adapters.0.path", "has rank 8 in", "r: 4", "from different adapters"],
+    ),
+    "an adapter with weights its config does not target": (
+        lambda w: adapter_config(w, target_modules=["v_proj", "k_proj"]),
+        ["adapters.0.path", "self_attn.q_proj", "does not target", "['v_proj', 'k_proj']"],
+    ),
+    "an adapter that is not a LoRA": (
+        lambda w: adapter_config(w, peft_type="PREFIX_TUNING"),
+        ["adapters.0.path", "is a PREFIX_TUNING adapter", "LoRA adapters only"],
+    ),
+    "a base without tokenizer files": (
+        lambda w: (w / "model" / "tokenizer_config.json").unlink(),
+        ["base.model", "has no tokenizer files", "calibration (quantize tokenizes it)", "package (ships it)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_or_inconsistent_files_are_refused_before_any_stage(world, case, command):
+    damage, needles = DAMAGED[case]
+    damage(world)
+    refused(world, command, good(), *needles)
+
+
+def test_an_adapter_with_its_own_ranks_and_full_module_names_passes(world):
+    adapter_config(world, r=4, rank_pattern={"q_proj": 8}, target_modules=["self_attn.q_proj"])
+    res, before, after = invoke(world, "check", good())
+    assert res.exit_code == 0 and after == before, res.output
+
+
+def tiny_recipe(tiny, base: Path, rows: list[dict], tmp: Path) -> dict:
+    (tmp / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "name": "tiny-check",
+        "output_dir": "out",
+        "base": {"model": str(base)},
+        "artifacts": [{"name": "fp8", "method": "fp8"}],
+        "evaluation": {"validation": {"path": "val.jsonl", "max_new_tokens": 16}},
+        "benchmark": {"enabled": False},
+    }
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_validation_prompt_beyond_the_context_is_refused_with_its_length(tiny, tmp_path, command):
+    """The tiny Llama's context is 2048 positions: a 2100-word prompt is refused (file:line, its length, the context);
+    one of 2000 tokens fits without its 16 new tokens only when shorter."""
+    rows = [{"prompt": "What is 3 plus 1?", "reference": "4"}, {"prompt": "one " * 2100, "reference": "x"}]
+    out = refused(tmp_path, command, tiny_recipe(tiny, tiny.llama, rows, tmp_path), "val.jsonl:2: the prompt is")
+    n = int(re.search(r"the prompt is (\d+) tokens", out).group(1))
+    assert n > 2048 and f"needs {n + 16} positions" in out and "(2048: max_position_embeddings" in out, out
+    assert "val.jsonl:1" not in out
+
+
+def test_a_chat_template_that_rejects_a_row_is_refused_at_check(tiny, tmp_path):
+    import shutil
+
+    base = tmp_path / "llama"
+    shutil.copytree(tiny.llama, base)
+    (base / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('only user turns') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}], "reference": "x"},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "reference": "x"},
+    ]
+    out = refused(tmp_path, "check", tiny_recipe(tiny, base, rows, tmp_path), "val.jsonl:2: the chat template of")
+    assert "only user turns" in out and "val.jsonl:1" not in out, out
+
+
 # --- lm-eval's index, the light way ---------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 from filelock import FileLock
+from helpers.fakes import safetensors
 
 from quantpipe.cache import ContentHasher
 from quantpipe.cli import main
@@ -25,11 +26,12 @@ def fake(tmp_path):
     m = tmp_path / "model"
     m.mkdir()
     (m / "config.json").write_text("{}")
-    (m / "model.safetensors").write_bytes(b"\1" * 16)
+    safetensors(m / "model.safetensors", {"w": [1]})
+    (m / "tokenizer_config.json").write_text("{}")
     a = tmp_path / "adapter"
     a.mkdir()
     (a / "adapter_config.json").write_text("{}")
-    (a / "adapter_model.safetensors").write_bytes(b"\2" * 16)
+    safetensors(a / "adapter_model.safetensors", {"w": [2]})
     (tmp_path / "cal.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "val.jsonl").write_text('{"prompt": "p", "reference": "r"}\n')
     return tmp_path

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import safetensors
 
 from quantpipe.cache import StageCache
 from quantpipe.cli import main
@@ -46,7 +47,8 @@ def fake(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(model / "model.safetensors", {"w": [1]})
+    (model / "tokenizer_config.json").write_text("{}")
     (tmp_path / "cal.jsonl").write_text('{"text": "hello"}\n')
     return tmp_path
 
