@@ -194,6 +194,7 @@ class StepDispatch:
                 rec.preflight = {
                     "estimate": preflight.record(self.estimates, s.id),
                     "actual": preflight.actual_peak(rec.metrics),
+                    "deadline_s": self.deadline_s(s.id),
                 }
                 record.stages[s.id] = rec
                 write_record(run_dir, record, self.secret_values)
