@@ -18,12 +18,14 @@ from pathlib import Path
 DEADLINE_FACTOR = 10
 MIN_DEADLINE_S = 30 * 60
 UNKNOWN_DEADLINE_S = 6 * 3600  # a model whose config.json is not here yet (a hub model before its download)
-CPU_FLOPS_PER_CORE = 2e9  # float32 matrix work per core, taken at a tenth of an AVX2 core's peak
+# float32 matrix work per core, taken low: SmolLM2-135M's GPTQ over 32 x 128 tokens is estimated at 330 s on 2 cores,
+# where it measured 76-167 s (docs/demo-model.md)
+CPU_FLOPS_PER_CORE = 5e9
 GPU_FLOPS = 20e12  # taken at a twentieth of an H100's bf16 peak
 DISK_BYTES_S = 100e6  # a slow network disk
 SERVER_START_S = 300  # a cold `vllm serve` on a GPU host took 199 s to become healthy, 32-70 s on a CPU
-LM_EVAL_DOCS = 2000  # documents per task when lm_eval.limit is unset (tasks are not loaded before the run)
-DOC_TOKENS = 1024  # tokens of one lm-eval document, validation prompt or calibration-free probe, taken long
+LM_EVAL_DOCS = 2000  # documents per task of a hub dataset when lm_eval.limit is unset (not counted before the run)
+DOC_TOKENS = 512  # tokens of one lm-eval document (its choices or its generation included) or validation prompt
 # forward passes over the calibration set per method (GPTQ: capture, then propagate; AWQ: its grid search per layer)
 CALIBRATION_PASSES = {"gptq": 3, "w8a8-int8": 5, "fp8": 2, "rtn": 0}
 
@@ -36,8 +38,9 @@ def _lines(path: str) -> int:
         return 0
 
 
-def stage_terms(recipe, s, m: dict, b: int, flops: float) -> dict[str, float]:
-    """Seconds per named cost of one step (`s`, a run/plan Step) on a model of shape `m` stored in `b` bytes/weight."""
+def stage_terms(recipe, s, m: dict, b: int, flops: float, docs: int | None = None) -> dict[str, float]:
+    """Seconds per named cost of one step (`s`, a run/plan Step) on a model of shape `m` stored in `b` bytes/weight;
+    `docs`: the lm-eval documents the tasks hold, where known."""
     per_token = 2 * m["params"] / flops
     weights_s = m["params"] * b / DISK_BYTES_S
     a = next((x for x in recipe.artifacts if x.name == s.artifact), None)
@@ -57,7 +60,9 @@ def stage_terms(recipe, s, m: dict, b: int, flops: float) -> dict[str, float]:
     if s.kind == "evaluate":
         ev = recipe.evaluation
         le, v, f = ev.lm_eval, ev.validation, ev.fidelity
-        tokens = len(le.tasks) * (le.limit or LM_EVAL_DOCS) * DOC_TOKENS * (1 + (le.num_fewshot or 0)) if le else 0
+        if docs is None and le:
+            docs = len(le.tasks) * (le.limit or LM_EVAL_DOCS)
+        tokens = (docs or 0) * DOC_TOKENS * (1 + (le.num_fewshot or 0)) if le else 0
         tokens += _lines(v.path) * (DOC_TOKENS + v.max_new_tokens) * 2 if v else 0  # and the baseline's logits
         tokens += 2 * f.max_tokens if f else 0
         terms = {"read the weights": 2 * weights_s, "tokens through the model": tokens * per_token}
@@ -87,9 +92,15 @@ def estimate(recipe, steps, base_dir: str | Path | None, gpu: dict | None) -> di
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     flops = GPU_FLOPS if gpu else CPU_FLOPS_PER_CORE * cores
+    le = recipe.evaluation.lm_eval
+    docs = None
+    if le and any(s.kind == "evaluate" for s in steps):
+        from .lm_tasks import local_documents
+
+        docs = local_documents(le)
     out = {}
     for s in steps:
-        terms = stage_terms(recipe, s, m, DTYPE_BYTES[recipe.base.dtype], flops)
+        terms = stage_terms(recipe, s, m, DTYPE_BYTES[recipe.base.dtype], flops, docs)
         out[s.id] = {"time_s": sum(terms.values()), "terms": terms}
     return out
 

@@ -198,6 +198,35 @@ def _local_data_files(entry: Entry | None) -> list[str]:
     return [f for f in found if isinstance(f, str) and f.startswith("/") and not any(c in f for c in "*?[")]
 
 
+def local_documents(le) -> int | None:
+    """How many documents the recipe's lm-eval tasks hold, where every task reads local files (JSON lines, one document
+    a line); None where any reads a hub dataset, or lm-eval is not here (not counted before the run loads it)."""
+    try:
+        names = TaskNames(le.include_path)
+    except Exception:  # noqa: BLE001 - no lm-eval, a folder it cannot index: not counted
+        return None
+    total = 0
+    for t in le.tasks:
+        if not names.known(t):
+            return None
+        for leaf in sorted(names.leaves(t) or {t}):
+            e = names.index.get(leaf)
+            if e is None or e.kind in ("GROUP", "TAG"):
+                continue
+            files = _local_data_files(e)
+            if e.kind != "TASK" or not files:
+                return None
+            docs = 0
+            for f in files:
+                try:
+                    with open(f, "rb") as fh:
+                        docs += sum(1 for _ in fh)
+                except OSError:
+                    return None
+            total += min(docs, le.limit) if le.limit else docs
+    return total
+
+
 def task_code(include_path: str | Path) -> list[str]:
     """`file: what` for each task YAML under include_path that runs Python when lm-eval loads it: a `!function` tag
     (lm-eval imports the named module from the task's folder) or a `class:` key (a task implemented in Python). Read as

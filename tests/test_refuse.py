@@ -763,6 +763,22 @@ def test_a_chat_template_that_rejects_a_row_is_refused_at_check(tiny, tmp_path):
     assert "only user turns" in out and "val.jsonl:1" not in out, out
 
 
+def test_the_documents_of_local_tasks_are_counted_and_hub_tasks_are_not(world):
+    """What the evaluate stage's time estimate (its deadline) counts: one JSON line per document of a local task."""
+    from quantpipe.lm_tasks import local_documents
+    from quantpipe.recipe import parse
+
+    d = good()
+    (world / "tasks" / "refuse.jsonl").write_text(
+        json.dumps({"q": "2+2=", "a": "4"}) + "\n" * 1 + '{"q": "1", "a": "1"}\n'
+    )
+    assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) == 2
+    d["evaluation"]["lm_eval"]["limit"] = 1
+    assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) == 1
+    d["evaluation"]["lm_eval"]["tasks"] = ["refuse_task", "arc_easy"]
+    assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) is None
+
+
 # --- lm-eval's index, the light way ---------------------------------------------------------------
 
 
