@@ -770,7 +770,7 @@ def test_the_documents_of_local_tasks_are_counted_and_hub_tasks_are_not(world):
 
     d = good()
     (world / "tasks" / "refuse.jsonl").write_text(
-        json.dumps({"q": "2+2=", "a": "4"}) + "\n" * 1 + '{"q": "1", "a": "1"}\n'
+        "".join(json.dumps({"q": f"{i}+2=", "a": str(i + 2)}) + "\n" for i in range(2))
     )
     assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) == 2
     d["evaluation"]["lm_eval"]["limit"] = 1
