@@ -2,9 +2,8 @@
 
 A group size that does not divide a layer's input width (llm-compressor fails inside `oneshot`, listing every layer), a
 workload longer than the engine's max_model_len or the model's context (vLLM fails after the server started), a
-max_model_len or tensor_parallel_size vLLM refuses, calibration longer than the context, a needed but missing tokenizer
-or chat template, and a validation row whose prompt (tokenized, through the chat template) leaves no room in the context
-for its answer are bad input, refused by `quantpipe check` and before `quantpipe run` writes anything:
+max_model_len or tensor_parallel_size vLLM refuses, calibration longer than the context, and a needed but missing
+tokenizer or chat template are bad input (rows as the tokenizer makes them: `quantpipe.tokenized`), refused by `quantpipe check` and before `quantpipe run` writes anything:
 
     from quantpipe.fit import problems
     problems(recipe, Path(recipe.base.model))   # -> ["artifacts.0.group_size: 128 does not divide ...", ...]
@@ -357,44 +356,3 @@ def tokenizer_problems(recipe, model_dir: Path) -> list[str]:
         f"base.model: {tok} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which {'; '.join(needs)} "
         "need; save the tokenizer next to the model (tokenizer.save_pretrained), or ship it in the last adapter's folder"
     ]
-
-
-def validation_length_problems(recipe, model_dir: Path, rows: list[dict], most: int = 3) -> list[str]:
-    """Validation rows whose prompt, tokenized as the evaluate stage does (chat rows through the chat template), and
-    max_new_tokens do not fit the model's context; rows the chat template cannot render. Needs a tokenizer that
-    transformers can load without remote code; without one the evaluate stage reports it."""
-    from .stages import StageError
-    from .stages.evaluate.validation import encode_prompt
-
-    c, v = read_config(model_dir), recipe.evaluation.validation
-    ctx = model_context(text_part(c)) if c else None
-    tok_dir = tokenizer_dir(recipe, model_dir)
-    if not ctx or not any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return []
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    except Exception:  # noqa: BLE001 - any tokenizer transformers cannot load: the stage names it with its own error
-        return []
-    out, limit = [], ctx[0]
-    add_bos = recipe.evaluation.add_bos is not False
-    for row in rows:
-        try:
-            n = len(encode_prompt(tok, row, add_bos))
-        except StageError as e:
-            out.append(str(e))
-            continue
-        except Exception as e:  # noqa: BLE001 - the template's own error (jinja's sandbox, raise_exception)
-            out.append(
-                f"{row['_where']}: the chat template of {tok_dir} cannot render this row's messages "
-                f"({type(e).__name__}: {str(e)[:200]}); fix the template or the row"
-            )
-            continue
-        if n + v.max_new_tokens > limit:
-            out.append(
-                f"{row['_where']}: the prompt is {n} tokens, and with evaluation.validation.max_new_tokens "
-                f"{v.max_new_tokens} the row needs {n + v.max_new_tokens} positions, more than the model's context "
-                f"({ctx[0]}: {ctx[1]} in config.json); shorten the prompt or lower max_new_tokens"
-            )
-    return out[:most] + ([f"... and {len(out) - most} more validation rows like these"] if len(out) > most else [])

@@ -2,8 +2,9 @@
 
 `recipe.load` checks the recipe and that its files exist; this reads calibration, validation and fidelity rows, the
 safetensors files of the base and the adapters against their own headers, adapters against their config and the base
-model, links that leave those folders (`common/links.py`), config.json and the tokenizer (`quantpipe.fit`), lm-eval
-tasks (`quantpipe.lm_tasks`) and where the run writes (`quantpipe.places`). A bad row, a truncated shard, an adapter
+model, links that leave those folders (`common/links.py`), config.json and the tokenizer (`quantpipe.fit`), the rows
+as the tokenizer makes them (`quantpipe.tokenized`), lm-eval tasks (`quantpipe.lm_tasks`) and where the run writes
+(`quantpipe.places`). A bad row, a truncated shard, an adapter
 whose config is not its weights' or that was trained on another model, a group size the layers cannot take, a prompt
 longer than the context or a misspelt task is then bad input (exit 2, the field or file and line named) in `quantpipe check` and before
 `quantpipe run` writes anything, not a stage failure an hour in:
@@ -28,10 +29,10 @@ LORA_TENSOR = re.compile(r"layers\.(\d+)\..*?\b(q_proj|k_proj|v_proj|o_proj|gate
 
 def problems(recipe) -> list[str]:
     """Every problem found in the places the recipe writes and the local files it reads."""
-    from . import fit, lm_tasks, places
+    from . import fit, lm_tasks, places, tokenized
 
     out = places.problems(recipe)
-    needs_template, val_rows = _data_problems(recipe, out)
+    needs_template, val_rows, cal_rows = _data_problems(recipe, out)
     model_dir = Path(recipe.base.model) if recipe.base.is_local else _hub_snapshot(recipe)
     out += _link_problems(recipe, model_dir)
     out += _weight_problems(recipe, model_dir)
@@ -44,8 +45,8 @@ def problems(recipe) -> list[str]:
         out += fit.tokenizer_problems(recipe, model_dir)
         out += fit.chat_template_problems(recipe, model_dir, needs_template)
     out += lm_tasks.problems(recipe)
-    if model_dir is not None and val_rows and not out:  # the only check that loads a tokenizer: last, on sound files
-        out += fit.validation_length_problems(recipe, model_dir, val_rows)
+    if model_dir is not None and not out:  # the only check that loads a tokenizer: last, on files that passed the rest
+        out += tokenized.problems(recipe, model_dir, val_rows, cal_rows)
     return out
 
 
@@ -78,20 +79,20 @@ def _weight_problems(recipe, model_dir: Path | None) -> list[str]:
     return out
 
 
-def _data_problems(recipe, out: list[str]) -> tuple[list[str], list[dict] | None]:
-    """Append the calibration and validation files' problems to `out`; return what of them needs a chat template, and
-    the validation rows."""
+def _data_problems(recipe, out: list[str]) -> tuple[list[str], list[dict] | None, list | None]:
+    """Append the calibration and validation files' problems to `out`; return what of them needs a chat template, the
+    validation rows and the local calibration rows."""
     from . import calibration
     from .stages import StageError
     from .stages.evaluate import load_documents, load_validation
 
-    needs = []
+    needs, cal_rows = [], None
     c = recipe.calibration
     local = [s for s in c.sources if s.path] if c else []
     if local:
         try:
-            rows, _ = calibration.select(c.model_copy(update={"sources": local}))
-            if any(r.messages is not None for r in rows):
+            cal_rows, _ = calibration.select(c.model_copy(update={"sources": local}))
+            if any(r.messages is not None for r in cal_rows):
                 needs.append("calibration.sources (rows with `messages`)")
         except StageError as e:
             out.append(str(e))
@@ -108,7 +109,7 @@ def _data_problems(recipe, out: list[str]) -> tuple[list[str], list[dict] | None
     f = recipe.evaluation.fidelity
     if f is not None:
         _read("evaluation.fidelity.path", f.path, load_documents, out)
-    return needs, rows
+    return needs, rows, cal_rows
 
 
 def _read(field: str, path: str, load, out: list[str]):

@@ -747,6 +747,7 @@ def test_a_validation_prompt_beyond_the_context_is_refused_with_its_length(tiny,
 
 
 def test_a_chat_template_that_rejects_a_row_is_refused_at_check(tiny, tmp_path):
+    """As a validation row and as a calibration row: named file:line with the template's own message, before any stage."""
     import shutil
 
     base = tmp_path / "llama"
@@ -761,6 +762,12 @@ def test_a_chat_template_that_rejects_a_row_is_refused_at_check(tiny, tmp_path):
     ]
     out = refused(tmp_path, "check", tiny_recipe(tiny, base, rows, tmp_path), "val.jsonl:2: the chat template of")
     assert "only user turns" in out and "val.jsonl:1" not in out, out
+    # the same rows as calibration data: the quantize stage would fail on them
+    (tmp_path / "cal.jsonl").write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    d = tiny_recipe(tiny, base, rows[:1], tmp_path)
+    d["calibration"] = {"sources": [{"path": "cal.jsonl"}], "num_samples": 2, "max_seq_len": 64}
+    out = refused(tmp_path, "check", d, "cal.jsonl:2: the model's chat template failed on this row")
+    assert "only user turns" in out, out
 
 
 def test_the_documents_of_local_tasks_are_counted_and_hub_tasks_are_not(world):
