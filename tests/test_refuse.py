@@ -655,6 +655,22 @@ def test_task_code_in_the_include_path_needs_consent_and_never_runs_at_check(wor
     assert res.exit_code == 0 and after == before and not marker.exists(), res.output
 
 
+def test_the_evaluate_stage_refuses_untrusted_task_code_before_lm_eval_loads_it(world):
+    from quantpipe.recipe import parse
+    from quantpipe.stages import StageError
+    from quantpipe.stages.evaluate.compare import Scores
+    from quantpipe.stages.evaluate.harness import run_lm_eval
+
+    marker = world / "ran.txt"
+    (world / "tasks" / "steal.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef f(d):\n    return d\n")
+    task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl")
+    (world / "tasks" / "refuse.yaml").write_text(task + "process_docs: !function steal.f\n")
+    le = parse(yaml.safe_dump(good()), world, check_files=False).evaluation.lm_eval
+    with pytest.raises(StageError, match="trust_task_code: true"):
+        run_lm_eval(le, {}, world, {"device": "cpu"}, Scores())
+    assert not marker.exists()
+
+
 def test_a_function_tag_in_a_comment_or_string_is_not_code(world):
     task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl")
     (world / "tasks" / "refuse.yaml").write_text(task + "# process_docs: !function utils.f\ndescription: '!function'\n")
