@@ -37,6 +37,7 @@
 #                                              QP_WARM=1: the second run from an empty stage cache on the warm host;
 #                                              QP_WARMUP=RECIPE: the first run is that lighter recipe (same shape, schemes,
 #                                              engine); QP_JOBS: --jobs; QP_STAGE_TIMEOUT: minutes (default 10);
+#                                              QP_THEN="ARGS": the second run adds ARGS (e.g. --gpu-memory 40GiB);
 #                                              QP_RESTARTS=N: after the first run, N times every benchmark again
 #                                              (`--stages benchmark --force benchmark`: fresh servers on the warm host)
 #   bench/h200_run.sh collect SECONDS          wait for `pipeline`, `nightly`, `one-gpu` or `recipe` (at most SECONDS), print its
@@ -62,7 +63,19 @@ phase=$1; shift
 export QUANTPIPE_CACHE=/tmp/qp/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 [ -f .git_commit ] && export QUANTPIPE_GIT_COMMIT=$(cat .git_commit)  # the archive's commit (run.json records it)
 stamp() { echo "$(date +%T) +$(( $(date +%s) - t0 )) s: $*"; }
-output_dir() { python3 -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$1"; }
+use_env() {  # the stage interpreters: bench/gpu_env.sh's (/tmp/qp/env.sh), else the README's set-up (make setup)
+  if [ -f /tmp/qp/env.sh ]; then
+    source /tmp/qp/env.sh
+    QP_PY=python3
+  elif [ -x .venv/quantize/bin/python ]; then
+    QP_PY=$PWD/.venv/quantize/bin/python
+    export QUANTPIPE_PYTHON_SERVE=${QUANTPIPE_PYTHON_SERVE:-$PWD/.venv/serve/bin/python}
+  else
+    echo "no stage environments: run \`QUANTPIPE_WHEELHOUSE=DIR make setup\` (README) or bench/gpu_env.sh first" >&2
+    exit 2
+  fi
+}
+output_dir() { "$QP_PY" -c "import sys; from quantpipe.recipe import load; print(load(sys.argv[1], check_files=False).output_dir)" "$1"; }
 case $phase in
 install)
   bash bench/gpu_env.sh /tmp/w /tmp/qp || exit 1
@@ -71,17 +84,17 @@ install)
     mkdir -p /tmp/qp/tiny && cp -r "$files/tiny/." /tmp/qp/tiny/
     sed -i -E 's#/[^ "]*/tasks/#/tmp/qp/tiny/tasks/#g' /tmp/qp/tiny/tasks/*.yaml
   fi
-  source /tmp/qp/env.sh
+  use_env
   for shape in "${@:-llama3-8b}"; do
     [ -d /tmp/qp/models/$shape/base ] || python3 bench/make_shaped_model.py --shape $shape --tokenizer "$files/tok" --out /tmp/qp/models/$shape || exit 1
   done
   echo "model: $(( $(date +%s) - t0 )) s"
   ;;
 run)
-  source /tmp/qp/env.sh
+  use_env
   recipe=$1; shift
   name=$(basename "$recipe" .yaml)
-  python3 -m quantpipe run "$recipe" "$@"
+  "$QP_PY" -m quantpipe run "$recipe" "$@"
   rc=$?
   echo "run rc=$rc after $(( $(date +%s) - t0 )) s"
   if [ -n "${OUT:-}" ]; then
@@ -95,7 +108,7 @@ run)
 bench-serve)
   # The server's flags are the recipe's engine settings; VLLM_SERVER_DEV_MODE only opens /reset_prefix_cache,
   # which is called before each run as the benchmark stage does (the runs reuse one seed, so one prompt set).
-  source /tmp/qp/env.sh
+  use_env
   model=$1 name=$2; shift 2
   res=${QP_RESULTS:-${OUT:-/tmp/qp}}; mkdir -p "$res"
   VLLM_SERVER_DEV_MODE=1 PYTHONPATH=/tmp/qp/vllm:/tmp/qp/extra PATH=/tmp/qp/vllm/bin:$PATH python3 -m vllm.entrypoints.cli.main serve "$model" \
@@ -125,53 +138,55 @@ pipeline|nightly|one-gpu|recipe)
   ;;
 _nightly)
   # bench/bench_compile_cache.py on GPU 0: nights 1 and 3 through the shared links, night 2 the control.
-  source /tmp/qp/env.sh
+  use_env
   stamp "start nightly (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nvidia-smi --query-gpu=index,name,memory.used --format=csv
   CUDA_VISIBLE_DEVICES=0 python3 bench/bench_compile_cache.py bench/recipes/h200-llama3-8b-nightly.yaml --nights 3 \
     --workdir /tmp/qp/nightly --json /tmp/qp/log/compile-cache-nights.json > /tmp/qp/log/nightly.log 2>&1
   stamp "nightly rc=$?"; touch /tmp/qp/log/done
   ;;
 _one)
-  source /tmp/qp/env.sh
+  use_env
   R=bench/recipes/h200-llama3-8b-full.yaml T=bench/recipes/h200-tiny.yaml L=/tmp/qp/log
   stamp "start one-gpu (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   # Q: the 8B merge and fp8 quantization (CPU work and < 3 GiB of GPU) beside T, whose engines take 0.3 of the GPU.
   A=${QP_ARTIFACTS:-fp8}
-  ( python3 -m quantpipe run --stage-timeout 8 $R --stages quantize --artifacts $A > $L/Q.log 2>&1; stamp "Q rc=$?" ) &
+  ( "$QP_PY" -m quantpipe run --stage-timeout 8 $R --stages quantize --artifacts $A > $L/Q.log 2>&1; stamp "Q rc=$?" ) &
   q=$!
-  python3 -m quantpipe run --stage-timeout 8 $T > $L/T.log 2>&1; stamp "T (the tiny recipe) rc=$?"
+  "$QP_PY" -m quantpipe run --stage-timeout 8 $T > $L/T.log 2>&1; stamp "T (the tiny recipe) rc=$?"
   ev=$(dirname "$(grep -l /tmp/qp/tiny/tasks /tmp/qp/cache/stages/evaluate/baseline/*/out/evaluation.json | head -1)")
   $QUANTPIPE_PYTHON_SERVE bench/bench_eval_agreement.py "$ev" --json $L/eval-agreement.json > $L/E.log 2>&1; stamp "E (lm_eval --model vllm) rc=$?"
   wait $q
-  python3 -m quantpipe run --stage-timeout 8 $R --artifacts $A > $L/A.log 2>&1; stamp "A (8B baseline + $A) rc=$?"
+  "$QP_PY" -m quantpipe run --stage-timeout 8 $R --artifacts $A > $L/A.log 2>&1; stamp "A (8B baseline + $A) rc=$?"
   stamp done; touch $L/done
   ;;
 _recipe)
-  source /tmp/qp/env.sh
+  use_env
   R=$1 L=/tmp/qp/log
   stamp "start recipe $R (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   df -h /tmp
   only=(${QP_ARTIFACTS:+--artifacts $QP_ARTIFACTS} ${QP_STAGES:+--stages $QP_STAGES} ${QP_JOBS:+--jobs $QP_JOBS})
   limit=${QP_STAGE_TIMEOUT:-10}  # minutes
   if [ -n "${QP_WARMUP:-}" ]; then  # R1 warms the host with a lighter recipe of the same shape, schemes and engine
-    python3 -m quantpipe run --stage-timeout $limit $QP_WARMUP "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (warm-up $QP_WARMUP) rc=$rc"
+    "$QP_PY" -m quantpipe run --stage-timeout $limit $QP_WARMUP "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (warm-up $QP_WARMUP) rc=$rc"
   else
-    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (${QP_ARTIFACTS:-the whole recipe}, empty stage cache) rc=$rc"
+    "$QP_PY" -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R1.log 2>&1; rc=$?; stamp "R1 (${QP_ARTIFACTS:-the whole recipe}, empty stage cache) rc=$rc"
   fi
   if [ $rc = 2 ]; then  # refused before anything ran (pre-flight: disk): the artifacts that fit
-    tail -5 $L/R1.log; python3 -m quantpipe run --stage-timeout 10 $R --artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16} > $L/R1b.log 2>&1
+    tail -5 $L/R1.log; "$QP_PY" -m quantpipe run --stage-timeout 10 $R --artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16} > $L/R1b.log 2>&1
     stamp "R1b (--artifacts ${QP_FALLBACK:-fp8,gptq-w4a16,awq-w4a16}) rc=$?"
   fi
   for i in $(seq 1 "${QP_RESTARTS:-0}"); do  # the spread between server starts on one host, beside each run's intervals
-    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" --stages benchmark --force benchmark > $L/S$i.log 2>&1
+    "$QP_PY" -m quantpipe run --stage-timeout $limit $R "${only[@]}" --stages benchmark --force benchmark > $L/S$i.log 2>&1
     stamp "S$i (every benchmark again from fresh servers) rc=$?"
   done
   if [ -n "${QP_WARM:-}" ]; then  # the nightly case: an empty stage cache on a host whose compile and kernel caches are warm
     mkdir -p $L/R1-cache && (cd "$QUANTPIPE_CACHE" && find . -type f \( -name '*.json' -o -name '*.log' \) -size -8M | tar cf - -T - | tar xf - -C $L/R1-cache)
     rm -rf "$QUANTPIPE_CACHE"; stamp "stage cache emptied (its records in $L/R1-cache)"
-    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (empty stage cache, warm host) rc=$?"
+    "$QP_PY" -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (empty stage cache, warm host) rc=$?"
   else
-    python3 -m quantpipe run --stage-timeout $limit $R "${only[@]}" > $L/R2.log 2>&1; stamp "R2 (re-run, unchanged) rc=$?"
+    read -r -a then <<<"${QP_THEN:-}"  # e.g. "--gpu-memory 40GiB --artifacts fp8 --force evaluate,benchmark"
+    "$QP_PY" -m quantpipe run --stage-timeout $limit $R "${only[@]}" "${then[@]}" > $L/R2.log 2>&1
+    stamp "R2 (${QP_THEN:-re-run, unchanged}) rc=$?"
   fi
   stamp done; touch $L/done
   ;;
@@ -185,7 +200,7 @@ _drive)
     qwen25-7b) R=bench/recipes/h200-qwen25-7b.yaml ;;
     *) echo "unknown shape $shape (llama3-8b, qwen25-7b)" >&2; exit 2 ;;
   esac
-  source /tmp/qp/env.sh
+  use_env
   R1=${R%.yaml}-gpu1.yaml L=/tmp/qp/log
   sed "s#^output_dir: \(.*\)#output_dir: \1-gpu1#" $R > $R1  # a second output dir, the same cache
   stamp "start $shape (quantpipe ${QUANTPIPE_GIT_COMMIT:-?})"; df -h /tmp; nproc; free -g; nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
@@ -195,13 +210,13 @@ _drive)
   # engine takes 0.25 of the GPU, the 8B quantizations at most 3.7 GiB). The tiny run's engines are the
   # host's first and run without FlashInfer's sampler: the control for the first engine's ~90 s warm-up.
   ( export CUDA_VISIBLE_DEVICES=0
-    python3 -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?"
+    "$QP_PY" -m quantpipe run --stage-timeout 8 $R --artifacts fp8,awq-w4a16 > $L/A.log 2>&1; stamp "A rc=$?"
     if [ $shape != llama3-8b ]; then
       # The published fp8 package as a user gets it: verified, then served by a bare `vllm serve` and
       # measured by `vllm bench serve` with the recipe's workload, on the GPU A measured it on. (vLLM's
       # compile cache is keyed by the model's path: a server of the package's path compiles again.)
       pkg=$(output_dir $R)/packages/fp8
-      python3 -m quantpipe verify "$pkg" > $L/verify.log 2>&1; stamp "verify rc=$?"
+      "$QP_PY" -m quantpipe verify "$pkg" > $L/verify.log 2>&1; stamp "verify rc=$?"
       QP_RESULTS=$L/bare QP_CONCURRENCY="1 16 64" bash bench/h200_run.sh bench-serve "$pkg" pkg-fp8 --dataset-name random \
         --random-input-len 512 --random-output-len 128 --random-range-ratio 0.0 --num-prompts 64 --request-rate inf \
         --ignore-eos --temperature 0 --seed 0 > $L/bare.log 2>&1; stamp "bare bench-serve rc=$?"
@@ -213,23 +228,23 @@ _drive)
   ( export CUDA_VISIBLE_DEVICES=1
     t=
     if [ $shape = llama3-8b ]; then
-      VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m quantpipe run --stage-timeout 8 bench/recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
+      VLLM_USE_FLASHINFER_SAMPLER=0 "$QP_PY" -m quantpipe run --stage-timeout 8 bench/recipes/h200-tiny.yaml --stages evaluate > $L/T.log 2>&1 &
       t=$!
     fi
-    python3 -m quantpipe run --stage-timeout 8 $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
+    "$QP_PY" -m quantpipe run --stage-timeout 8 $R1 --stages quantize --artifacts int8,gptq-w4a16,awq-w4a16 > $L/B1.log 2>&1; stamp "B1 rc=$?"
     [ -z "$t" ] || { wait $t; stamp "T rc=$?"; }  # B2's engines take 0.9 of GPU 1: the tiny engines must be gone first
-    python3 -m quantpipe run --stage-timeout 8 $R1 --stages evaluate,benchmark,package --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
+    "$QP_PY" -m quantpipe run --stage-timeout 8 $R1 --stages evaluate,benchmark,package --artifacts int8,gptq-w4a16 > $L/B2.log 2>&1; stamp "B2 rc=$?" ) &
   b=$!
   wait $a $b
   # The whole recipe once more: every stage is cached now but int8's and gptq's publishing into this
   # output directory; one run.json and report for the whole recipe. Then the unchanged re-run.
-  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe) rc=$?"
-  CUDA_VISIBLE_DEVICES=0 python3 -m quantpipe run --stage-timeout 8 $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
+  CUDA_VISIBLE_DEVICES=0 "$QP_PY" -m quantpipe run --stage-timeout 8 $R > $L/C1.log 2>&1; stamp "C1 (the whole recipe) rc=$?"
+  CUDA_VISIBLE_DEVICES=0 "$QP_PY" -m quantpipe run --stage-timeout 8 $R > $L/C2.log 2>&1; stamp "C2 (re-run, unchanged) rc=$?"
   ls -la --time-style=+%T ~/.cache/flashinfer ~/.cache/flashinfer/* 2>&1 | head -40; du -sh ~/.cache/* /tmp/qp/* 2>&1; df -h /tmp
   stamp done; touch $L/done
   ;;
 compile-links)
-  source /tmp/qp/env.sh
+  use_env
   VLLM_USE_FLASHINFER_SAMPLER=0 python3 - "${OUT:-/tmp/qp/links-check}" <<'PY'
 import json, os, re, shutil, sys
 from pathlib import Path

@@ -12,6 +12,7 @@ neither of which can fail the run.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -106,6 +107,14 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
     "--gpus", "gpu_select", default=None, metavar="0,1", help="Use only these GPUs (indices as nvidia-smi lists them)."
 )
 @click.option(
+    "--gpu-memory",
+    "gpu_memory",
+    default=None,
+    metavar="SIZE",
+    help="Use at most SIZE of each GPU (e.g. 40GiB: a run on an 80 GB card sized as for an A100 40GB, or a card shared "
+    "with other work); pre-flight, the scheduler and the servers' memory keep within it.",
+)
+@click.option(
     "--executor",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -165,6 +174,7 @@ def run(
     stage_timeout,
     jobs,
     gpu_select,
+    gpu_memory,
     executor,
     address,
     cache_dir,
@@ -221,6 +231,19 @@ def run(
         raise BadInput(
             f"--force: unknown stage(s) {', '.join(sorted(bad))}; use a kind ({', '.join(KINDS)}), a stage id like quantize:awq, or all"
         )
+    gpu_memory_bytes = None
+    if gpu_memory is not None:
+        from .stages.package import parse_size
+
+        try:
+            gpu_memory_bytes = parse_size(gpu_memory)
+        except Exception:  # not a size: said below
+            gpu_memory_bytes = None
+        if not gpu_memory_bytes or gpu_memory_bytes < 2**30:
+            raise BadInput(f"--gpu-memory {gpu_memory!r}: give a size of at least 1GiB, such as 40GiB or 38000MB")
+        if executor == "ray":
+            raise BadInput("--gpu-memory sizes this host's GPUs; with --executor ray, Ray places each stage: drop it")
+    command = shlex.join(["quantpipe", *sys.argv[1:]])
     console = _console(quiet)
     timeout_s = stage_timeout * 60 if stage_timeout is not None else None
     try:
@@ -233,6 +256,8 @@ def run(
                 stage_timeout_s=timeout_s,
                 jobs=jobs,
                 gpu_select=gpu_select,
+                gpu_memory_bytes=gpu_memory_bytes,
+                command=command,
             )
             for rr, p in (loaded if dry_run else loaded[:1])
         ]
@@ -283,6 +308,8 @@ def run(
                     wait=wait,
                     index_dir=Path(matrix_dir) if matrix_dir else None,
                     gpu_select=gpu_select,
+                    gpu_memory_bytes=gpu_memory_bytes,
+                    command=command,
                 )
             )
         from contextlib import nullcontext

@@ -10,6 +10,7 @@ to the peak the stage measured. `QUANTPIPE_PREFLIGHT=off` skips the refusal (not
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,7 +19,7 @@ from .common.compute import compute_dtype
 from .common.hf_config import read_config, text_part
 from .common.nvidia import nvidia_smi, visible_gpus
 from .common.safetensors import param_count
-from .common.vllm_support import DEFAULT_CPU_KV_BYTES
+from .common.vllm_support import DEFAULT_CPU_KV_BYTES, GPU_OVERHEAD_BYTES, KV_HEADROOM, gpu_kv_bytes
 
 GIB = 2**30
 RUNTIME_BYTES = {"quantize": int(1.5 * GIB), "serve": 3 * GIB}  # torch + libraries; vLLM's engine and API processes
@@ -144,26 +145,15 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
             if gpu:
                 gpu_terms, terms = dict(terms), {"loading": P * b}
                 le = recipe.evaluation.lm_eval
-                if s.inp.backend == "vllm":  # vLLM reserves its share of the GPU up front, whatever the model needs
-                    util = (le.gpu_memory_utilization if le else None) or 0.9
-                    gpu_terms = {
-                        f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(
-                            util * gpu["total_bytes"]
-                        ),
-                        "_needs": P * b,
-                    }
+                if s.inp.backend == "vllm":
+                    gpu_terms = eval_server_terms(le.gpu_memory_utilization if le else None, m, P * b, gpu)
         elif s.kind == "benchmark":
             weights = artifact_bytes(a, m, b)
             engines = [recipe.benchmark.engine] + [v.engine for v in recipe.benchmark.variants]
             if gpu:
-                util = max(e.gpu_memory_utilization or 0.9 for e in engines)
-                max_len = max(e.max_model_len or m["max_len"] or 2048 for e in engines)
-                gpu_terms = {
-                    f"gpu_memory_utilization {util:g} of {gpu['total_bytes'] / GIB:.1f} GiB": int(
-                        util * gpu["total_bytes"]
-                    )
-                }
-                gpu_terms["_needs"] = weights + _kv_per_token(m, engines) * max_len  # must fit inside the reservation
+                # a shared or retried server may also serve the baseline's LoRA comparison: the largest of its servers
+                options = [server_terms(recipe.benchmark, e, m, weights, gpu) for e in engines]
+                gpu_terms = max(options, key=lambda t: sum(v for k, v in t.items() if not k.startswith("_")))
             else:
                 kv = max(_cpu_kv(e, m, ram_available) for e in engines)
                 terms = {"weights": weights, "KV cache": kv}
@@ -176,13 +166,51 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
         terms["runtime"] = RUNTIME_BYTES.get(s.env, RUNTIME_BYTES["quantize"])
         out[s.id] = {
             "ram_bytes": sum(terms.values()),
-            "gpu_bytes": sum(v for k, v in gpu_terms.items() if not k.startswith("_")) if gpu_terms else None,
+            "gpu_bytes": server_gpu_bytes(gpu_terms) if gpu_terms else None,
             "disk_cache_bytes": disk_cache,
             "disk_output_bytes": disk_out,
             "terms": terms,
             "gpu_terms": gpu_terms,
         }
     return out
+
+
+def server_terms(bench, e, m: dict, weights: int, gpu: dict) -> dict[str, int]:
+    """A GPU benchmark server's memory, by term: weights + KV cache (the recipe's kv_cache_memory_bytes, or what
+    quantpipe picks from the workloads) + what vLLM needs beside them on this card (measured on this host, else a
+    default). Where the recipe sets gpu_memory_utilization alone, vLLM reserves that share of the card, which must hold
+    the weights and one max_model_len sequence (`_needs`)."""
+    bpt = _kv_per_token(m, [e])
+    card = gpu.get("card_bytes") or gpu["total_bytes"]
+    kv = e.kv_cache_memory_bytes or gpu_kv_bytes(bench, e, bpt, m["max_len"])
+    if kv is None:
+        util = e.gpu_memory_utilization
+        return {
+            f"gpu_memory_utilization {util:g} of {card / GIB:.1f} GiB": int(util * card),
+            "_needs": weights + bpt * (e.max_model_len or m["max_len"] or 2048),
+        }
+    over, how = gpu.get("server_overhead_bytes") or GPU_OVERHEAD_BYTES, gpu.get("server_overhead_from") or "default"
+    terms = {"weights": weights, "KV cache": kv, f"CUDA graphs, activations, context ({how})": over}
+    if e.gpu_memory_utilization is not None:  # vLLM starts only where that share of the card is free
+        terms["_reserves"] = int(e.gpu_memory_utilization * card)
+    return terms
+
+
+def eval_server_terms(util: float | None, m: dict, weights: int, gpu: dict) -> dict[str, int]:
+    """The GPU memory of an evaluation's own vLLM server (evaluate/vllm.py sizes it the same way): with
+    evaluation.lm_eval.gpu_memory_utilization, that share of the card; else weights + one max-length sequence of KV
+    cache with headroom + vLLM's memory beside them."""
+    card = gpu.get("card_bytes") or gpu["total_bytes"]
+    if util is not None:
+        return {f"gpu_memory_utilization {util:g} of {card / GIB:.1f} GiB": int(util * card), "_needs": weights}
+    over, how = gpu.get("server_overhead_bytes") or GPU_OVERHEAD_BYTES, gpu.get("server_overhead_from") or "default"
+    kv = int(_kv_per_token(m, []) * (m["max_len"] or 2048) * KV_HEADROOM)
+    return {"weights": weights, "KV cache": kv, f"CUDA graphs, activations, context ({how})": over}
+
+
+def server_gpu_bytes(gpu_terms: dict) -> int:
+    """The GPU memory a server's terms add up to (what the scheduler grants): the larger of its sum and what it reserves."""
+    return max(sum(v for k, v in gpu_terms.items() if not k.startswith("_")), gpu_terms.get("_reserves", 0))
 
 
 def _size(p: Path) -> int:
@@ -208,8 +236,9 @@ def _cpu_kv(e, m: dict, ram_available: int | None) -> int:
 # --- what the machine has -------------------------------------------------------------------------
 
 
-def machine(cache_dir: Path, out_dir: Path) -> dict:
-    """Available memory (MemAvailable, within a cgroup limit), the first GPU's memory, free disk at both dirs."""
+def machine(cache_dir: Path, out_dir: Path, gpu_cap_bytes: int | None = None) -> dict:
+    """Available memory (MemAvailable, within a cgroup limit), the first GPU's memory (at most `gpu_cap_bytes` of it,
+    --gpu-memory) with what a vLLM server needs there beside weights and KV cache, free disk at both dirs."""
     ram = None
     try:
         import psutil
@@ -224,26 +253,75 @@ def machine(cache_dir: Path, out_dir: Path) -> dict:
             ram = min(ram or 1 << 62, int(limit) - used)
     except (OSError, ValueError):
         pass
-    return {"ram_bytes": ram, "gpu": gpu_memory(), "disk": {"cache": _disk(cache_dir), "output": _disk(out_dir)}}
+    gpu = gpu_memory(gpu_cap_bytes)
+    if gpu:
+        gpu["server_overhead_bytes"], gpu["server_overhead_from"] = server_overhead(cache_dir, gpu["name"])
+    return {"ram_bytes": ram, "gpu": gpu, "disk": {"cache": _disk(cache_dir), "output": _disk(out_dir)}}
 
 
-def gpu_memory() -> dict | None:
-    """The memory of the first GPU the stages will use; None without one (CUDA_VISIBLE_DEVICES hiding every GPU: the
-    stages compute on the CPU)."""
+def gpu_memory(cap_bytes: int | None = None) -> dict | None:
+    """The memory of the first GPU the stages will use, at most `cap_bytes` of it; None without one
+    (CUDA_VISIBLE_DEVICES hiding every GPU: the stages compute on the CPU)."""
     # nvidia-smi lists every GPU whatever CUDA_VISIBLE_DEVICES says: ask for the first one the stages will use
     visible = visible_gpus()
     if visible == []:
         return None
     rows = nvidia_smi(
-        "--query-gpu=memory.total,memory.free",
+        "--query-gpu=memory.total,memory.free,name",
         "--format=csv,noheader,nounits",
         *(["-i", visible[0]] if visible else []),
     )
     try:
-        total, free = (int(float(x)) * 2**20 for x in rows[0])
+        total, free = (int(float(x)) * 2**20 for x in rows[0][:2])
+        name = ", ".join(rows[0][2:])
     except (ValueError, IndexError):
         return None
-    return {"total_bytes": total, "free_bytes": free}
+    card = total
+    if cap_bytes and cap_bytes < total:  # the run keeps to cap_bytes of the card: the rest is someone else's
+        total, free = cap_bytes, max(0, free - (card - cap_bytes))
+    return {"total_bytes": total, "free_bytes": free, "card_bytes": card, "name": name}
+
+
+OVERHEAD_FILE = "gpu-server-overhead.json"  # in the stage cache's root: what a server needed beyond weights + KV
+
+
+def server_overhead(cache_dir: Path, gpu_name: str) -> tuple[int, str]:
+    """(bytes, where the figure comes from): the most a vLLM server measured on a GPU of this name needed beyond its
+    weights and KV cache, with a margin, else GPU_OVERHEAD_BYTES."""
+    try:
+        seen = json.loads((Path(cache_dir) / OVERHEAD_FILE).read_text())[gpu_name]["max_bytes"]
+        return int(seen * 1.1) + GIB // 2, f"measured on this {gpu_name}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return GPU_OVERHEAD_BYTES, "default"
+
+
+def learn_server_overhead(cache_dir: Path, metrics: dict) -> int | None:
+    """Keep what a benchmark's servers measured beyond weights and KV cache (their `memory.overhead_gib`) for the
+    GPU they ran on; the largest figure seen stays. Returns the bytes learned (None: nothing measured)."""
+    from filelock import FileLock
+
+    gpu = (metrics.get("platform_info") or {}).get("device")
+    seen = [
+        (v.get("memory") or {}).get("overhead_gib")
+        for v in [*(metrics.get("variants") or {}).values(), metrics.get("lora") or {}]
+        if isinstance(v, dict)
+    ]
+    seen = [x for x in seen if isinstance(x, (int, float)) and x > 0]
+    if metrics.get("platform") != "cuda" or not gpu or not seen:
+        return None
+    new = int(max(seen) * GIB)
+    path = Path(cache_dir) / OVERHEAD_FILE
+    with FileLock(str(path) + ".lock"):
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(gpu) if isinstance(known.get(gpu), dict) else {}
+        entry = {"max_bytes": max(new, int(entry.get("max_bytes") or 0)), "last_bytes": new}
+        tmp = path.with_suffix(f".tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({**known, gpu: entry}, indent=2))
+        os.replace(tmp, path)
+    return new
 
 
 def _disk(p: Path) -> dict | None:
@@ -372,9 +450,11 @@ def actual_peak(metrics: dict) -> dict:
     return peaks
 
 
-def check(recipe, steps, base_dir: str, cache_dir: Path, out_dir: Path, to_build: set[str]) -> tuple[dict, dict]:
+def check(
+    recipe, steps, base_dir: str, cache_dir: Path, out_dir: Path, to_build: set[str], gpu_cap_bytes: int | None = None
+) -> tuple[dict, dict]:
     """Estimate, compare, raise PreflightError on a stage that will not fit; return (estimates, machine)."""
-    have = machine(cache_dir, out_dir)
+    have = machine(cache_dir, out_dir, gpu_cap_bytes)
     est = estimate(recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
     bad = problems(recipe, est, have, to_build)
     if bad and os.environ.get("QUANTPIPE_PREFLIGHT", "").lower() not in ("off", "0", "false", "no"):

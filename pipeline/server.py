@@ -40,11 +40,12 @@ IPC_TMPDIR_MAX = (
 
 
 class ServerDied(RuntimeError):
-    """The server exited or never became healthy; `reason` is what its log says went wrong."""
+    """The server exited or never became healthy; `reason` is what its log says went wrong. `verdict`: the caller
+    decided that the model cannot be measured here (e.g. too slow), rather than the server failing."""
 
-    def __init__(self, reason: str, log_tail: str = ""):
+    def __init__(self, reason: str, log_tail: str = "", verdict: bool = False):
         super().__init__(reason)
-        self.reason, self.log_tail = reason, log_tail
+        self.reason, self.log_tail, self.verdict = reason, log_tail, verdict
 
 
 def set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -184,7 +185,14 @@ class Server:
     def _died(self, what: str, use_log: bool = True) -> ServerDied:
         text = self.log_text()
         tail = "\n".join(text.splitlines()[-40:])
-        reason = failure_reason(text) if use_log and self.proc.poll() is not None else f"vllm serve {what}"
+        rc = self.proc.poll()
+        reason = failure_reason(text) if use_log and rc is not None else f"vllm serve {what}"
+        if rc is not None and rc < 0:  # a signal ended it (the OOM killer's SIGKILL, a user's kill): say so first
+            try:
+                name = signal.Signals(-rc).name
+            except ValueError:
+                name = f"signal {-rc}"
+            reason = f"vllm serve was killed by {name}; {reason}"
         return ServerDied(reason, tail)
 
     def check_alive(self) -> None:

@@ -45,6 +45,50 @@ def failure_reason(log_text: str) -> str:
     return ("server exited; last log lines: " + " | ".join(tail))[:800] if tail else "server exited without any output"
 
 
+# Causes that belong to the host at the moment a server ran, not to the model it served: a stage that meets one fails
+# (and is tried again) instead of recording the model as not servable. Matched on vLLM's own words.
+_FAULTS = (
+    ("out of GPU memory", re.compile(r"out of memory|OutOfMemoryError|CUDA_ERROR_OUT_OF_MEMORY", re.I)),
+    (
+        "GPU memory taken by other processes",
+        re.compile(r"Free memory on device .* is less than desired|less than desired GPU memory utilization", re.I),
+    ),
+    (
+        "its KV cache does not fit",
+        re.compile(r"No available memory for the cache blocks|larger than the available KV cache memory", re.I),
+    ),
+    ("the GPU is busy or unavailable", re.compile(r"busy or unavailable|cudaErrorDevicesUnavailable", re.I)),
+    ("its port was taken", re.compile(r"address already in use", re.I)),
+    ("its engine process died", re.compile(r"EngineDeadError|died unexpectedly|Engine core .* died", re.I)),
+    ("a CUDA or NCCL error", re.compile(r"CUDA error|NCCL error|cudaError", re.I)),
+    ("it was killed", re.compile(r"\bkilled by SIG|\bSIGKILL\b|\bKilled\b")),
+    ("it did not become healthy in time", re.compile(r"not healthy after \d+ s")),
+)
+
+
+def fault_cause(reason: str, log_tail: str = "", started: bool = False) -> str | None:
+    """Why a server's death is a fault of the host rather than a verdict on the model (None: a verdict, such as a kernel
+    vLLM lacks for the scheme). A server that died after it was healthy always faulted: what the platform decides, it
+    decides at load."""
+    for what, pattern in _FAULTS:
+        if pattern.search(reason) or (what == "out of GPU memory" and pattern.search(log_tail)):
+            return what
+    return "it died while serving" if started else None
+
+
+def fault_recorded_as_verdict(benchmark_metrics: dict) -> str | None:
+    """The fault a cached benchmark recorded as "not servable here" (a server that ran out of memory or was killed),
+    which the platform's support table does not say: such an entry is measured again, never reused. None: a verdict."""
+    m = benchmark_metrics or {}
+    reasons = [m.get("reason")] + [v.get("reason") for v in (m.get("variants") or {}).values() if isinstance(v, dict)]
+    for reason in reasons:
+        if isinstance(reason, str) and reason.startswith("not servable here: "):
+            fault = fault_cause(reason.removeprefix("not servable here: "))
+            if fault:
+                return fault
+    return None
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> {sample name: value summed over labels}; `*_info` labels kept as `name{label}`."""
     from prometheus_client.parser import text_string_to_metric_families

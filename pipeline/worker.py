@@ -114,8 +114,20 @@ def main(spec_path: str) -> int:
         evaluated.append(run_stage(joint, server=server))
 
     rc = run_stage(spec, on_ready=on_ready)
-    if not evaluated:  # no server came up: the evaluation starts its own, and says why it cannot
+    if (
+        not evaluated and rc == 0
+    ):  # not servable here, decided before a server started: the evaluation says why it cannot
         run_stage(joint)
+    elif not evaluated:  # the server failed: the evaluation fails with its cause, rather than start a server the
+        # scheduler did not size beside the others on the GPU
+        try:
+            why = json.loads(Path(spec["metrics"]).with_name("failed.json").read_text())
+        except (OSError, ValueError):
+            why = {"rc": rc, "error": f"it exited with code {rc}"}
+        error = f"the server it shares with {spec['stage']} failed: {why['error']}"
+        Path(joint["metrics"]).with_name("failed.json").write_text(
+            json.dumps({"rc": why["rc"], "error": error, "fault": why.get("fault", False)})
+        )
     return rc
 
 
@@ -141,7 +153,7 @@ def run_stage(spec: dict, **shared) -> int:
     except StageError as e:
         print(f"quantpipe: {spec['stage']}: {e}", file=sys.stderr)
         print(f"STAGE_ERROR: {e}", file=sys.stderr)
-        failed.write_text(json.dumps({"rc": 2, "error": str(e)}))
+        failed.write_text(json.dumps({"rc": 2, "error": str(e), "fault": getattr(e, "fault", False)}))
         return 2
     except Exception as e:
         traceback.print_exc()

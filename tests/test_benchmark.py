@@ -13,6 +13,7 @@ itself runs in the quantize environment, which builds the quantized test artifac
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -112,8 +113,23 @@ def test_cpu_engine_gets_the_base_dtype_and_a_kv_cache_size_only_when_the_recipe
     e, notes = effective_engine(inp.benchmark.engine, inp, tmp_path, CPU_AVX512, need_len=96)
     assert e["kv_cache_memory_bytes"] >= 256 * 2**20 and "kv_cache_memory_bytes" in notes[0]
     assert e["dtype"] == "bfloat16"
-    e, notes = effective_engine(inp.benchmark.engine, inp, tmp_path, CUDA, need_len=96)
-    assert "kv_cache_memory_bytes" not in e and notes == []
+    # on a GPU, a recipe without a KV-cache size or a GPU share gets a KV cache sized from its workloads (4 sequences of
+    # 160 tokens: less than one max_model_len sequence, so one of those, with headroom), and the share vLLM checks free
+    e, notes = effective_engine(inp.benchmark.engine, inp, tmp_path, CUDA | {"gpu_total_bytes": 80 << 30}, need_len=96)
+    bpt = 2 * 4 * 2 * 32 * 2
+    assert e["kv_cache_memory_bytes"] == math.ceil(2048 * 1.25 * bpt / 2**20) * 2**20
+    assert e["gpu_memory_utilization"] == math.ceil(100 * (e["kv_cache_memory_bytes"] + (10 << 30)) / (80 << 30)) / 100
+    assert "kv_cache_memory_bytes set to" in notes[0] and "gpu_memory_utilization set to" in notes[1]
+    monkeypatch.setenv("QUANTPIPE_GPU_BYTES", str(40 << 30))  # what the scheduler granted decides the share
+    e, notes = effective_engine(inp.benchmark.engine, inp, tmp_path, CUDA | {"gpu_total_bytes": 80 << 30}, need_len=96)
+    assert e["gpu_memory_utilization"] == 0.5
+    inp3 = stage_input(
+        "benchmark", _recipe(tmp_path, engine={"gpu_memory_utilization": 0.5}), "baseline", tmp_path
+    )  # a share of the card set by the recipe: vLLM sizes the KV cache from it, as the recipe asks
+    e, notes = effective_engine(
+        inp3.benchmark.engine, inp3, tmp_path, CUDA | {"gpu_total_bytes": 80 << 30}, need_len=96
+    )
+    assert "kv_cache_memory_bytes" not in e and e["gpu_memory_utilization"] == 0.5 and notes == []
     inp2 = stage_input("benchmark", _recipe(tmp_path, engine={"kv_cache_memory_bytes": 1 << 30}), "baseline", tmp_path)
     e, notes = effective_engine(inp2.benchmark.engine, inp2, tmp_path, CPU_AVX512, need_len=96)
     assert e["kv_cache_memory_bytes"] == 1 << 30 and notes == []
@@ -1100,6 +1116,30 @@ def test_a_server_that_dies_at_startup_is_reported_with_its_error(models, tmp_pa
     assert "dimension size (704)" in m["reason"] or "704" in m["variants"]["default"]["log_tail"]
     assert m["variants"]["default"]["log_tail"]
     assert not port_in_use(m["variants"]["default"]["port"])
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_allocate_its_kv_cache_fails_the_stage_as_a_fault_with_its_cause(models, tmp_path):
+    """A KV cache too small for one max_model_len sequence is a fault of the memory at hand, not a verdict on the model:
+    the stage fails (exit 2, failed.json says `fault`), names the cause from the server's log, and writes no results, so
+    nothing of it can be cached."""
+    recipe = _recipe(
+        tmp_path,
+        model=str(models.base),
+        artifact=("fp8", "fp8"),
+        engine={"enforce_eager": True, "max_model_len": 4096, "kv_cache_memory_bytes": 1 << 20},
+        offline=False,
+        lora=False,
+        workloads=[{"name": "fixed", "input_len": 32, "output_len": 8, "num_prompts": 4}],
+        concurrency=[1],
+    )
+    cmd = _stage_cmd(tmp_path, recipe, models.base, "fp8")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(tmp_path), timeout=900, start_new_session=True)
+    assert r.returncode == 2, r.stderr[-3000:]
+    why = json.loads((tmp_path / "failed.json").read_text())
+    assert why["fault"] is True and "its KV cache does not fit" in why["error"], why
+    assert "nothing of this benchmark is kept" in why["error"] and "server-default.log" in why["error"]
+    assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "out" / "results.json").exists()
 
 
 def _wait_for_server(log: Path, proc: subprocess.Popen, timeout_s: float = 600) -> int:

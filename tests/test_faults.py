@@ -411,6 +411,53 @@ def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
     assert gone(b) == [] and leftovers(cache) == []
 
 
+@pytest.mark.slow
+@pytest.mark.long
+def test_a_server_killed_mid_run_fails_its_stage_caches_nothing_and_is_measured_again(tiny, built, tmp_path, runs):
+    """SIGKILL of the baseline's vLLM server alone, once it serves: a fault, not a verdict. The run goes on with the
+    other artifact, exits 1, names the stage and the cause; nothing of the killed benchmark is cached; the unchanged
+    re-run measures exactly that stage again and reuses everything else."""
+    cache = copy_cache(built.cache, tmp_path / "cache", ("merge", "quantize"))
+    bench = {
+        "engine": {"enforce_eager": True, "max_model_len": 128, "kv_cache_memory_bytes": 128 * 2**20},
+        "workloads": [{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 2}],
+        "concurrency": [1],
+        "offline": False,
+        "lora": False,
+    }
+    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", benchmark=bench)
+    a = runs(recipe, label="a-server-killed")
+
+    def serving():
+        for log in tmp_files(cache, "benchmark:baseline", "logs/server-default.log"):
+            if "Application startup complete" in log.read_text(errors="replace"):
+                return next(
+                    (p for p in a.processes() if "serve" in _cmd(p) and "vllm.entrypoints.cli.main" in _cmd(p)), None
+                )
+        return None
+
+    a.until("the baseline's server serving", serving, timeout_s=600, every_s=0.5).kill()
+    assert a.wait() == 1, a.stderr()[-3000:]
+    rec = a.record()
+    b = rec["stages"]["benchmark:baseline"]
+    assert b["status"] == "failed" and b["fault"] is True and "it was killed" in b["error"], b
+    assert "nothing of this benchmark is kept" in b["error"]
+    assert any("benchmark:baseline" in ln and "FAILED" in ln and "killed" in ln for ln in a.stderr().splitlines())
+    assert rec["stages"]["benchmark:fp8"]["status"] == "ok" and "benchmark:baseline" not in committed(cache)
+    assert gone(a) == [] and leftovers(cache) == []
+
+    again = runs(recipe, label="b-again")
+    assert again.wait() == 0, again.stderr()[-3000:]
+    assert {k: v for k, v in states(again.record()).items() if v != "hit"} == {"benchmark:baseline": "miss"}
+
+
+def _cmd(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
 # --- two runs at once --------------------------------------------------------------------------------
 
 
@@ -709,3 +756,55 @@ def test_a_stage_killed_by_a_signal_is_described_by_it():
     assert _exit_reason(1) == "exit code 1"
     assert _exit_reason(-signal.SIGKILL).startswith("killed by SIGKILL (the kernel's out-of-memory killer")
     assert _exit_reason(-signal.SIGSEGV) == "killed by SIGSEGV"
+
+
+def test_a_server_fault_is_told_apart_from_a_verdict_on_the_model():
+    """Out of memory, a KV cache that does not fit, a kill, a hang or a death while serving are faults of the host (the
+    stage fails and is retried); a kernel vLLM lacks at load is a verdict (recorded as not servable, cached)."""
+    from quantpipe.server_output import fault_cause, fault_recorded_as_verdict
+
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB. GPU 0 has a total capacity of 79.19 GiB"
+    assert fault_cause(oom) == "out of GPU memory"
+    kv = "ValueError: To serve at least one request with the models's max seq len (2048), (0.25 GiB KV cache is needed, which is larger than the available KV cache memory (0.01 GiB)."
+    assert fault_cause(kv) == "its KV cache does not fit"
+    busy = "ValueError: Free memory on device (12.1/79.2 GiB) on startup is less than desired GPU memory utilization (0.9, 71.3 GiB)."
+    assert fault_cause(busy) == "GPU memory taken by other processes"
+    assert fault_cause("vllm serve was killed by SIGKILL; server exited; last log lines: ...") == "it was killed"
+    assert fault_cause("vllm serve not healthy after 900 s") == "it did not become healthy in time"
+    assert fault_cause("server exited; last log lines: INFO ...", started=True) == "it died while serving"
+    kernel = "ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: CPUWNA16 requires AVX-512"
+    assert fault_cause(kernel) is None and fault_cause(kernel, "INFO loading weights\nINFO done") is None
+    assert fault_recorded_as_verdict({"servable": False, "reason": f"not servable here: {oom}"}) == "out of GPU memory"
+    assert fault_recorded_as_verdict({"servable": False, "reason": f"not servable here: {kernel}"}) is None
+    assert (
+        fault_recorded_as_verdict({"servable": True, "reason": None, "variants": {"eager": {"reason": None}}}) is None
+    )
+
+
+def test_a_benchmark_that_faulted_beside_others_is_retried_once_alone_with_its_evaluation():
+    """The runner's retry rule: a benchmark (and its joint evaluation, held back until the benchmark's record comes)
+    whose server faulted while it shared its GPU is queued again once, alone; a second fault, a fault of a stage that had
+    its GPU to itself, or a failure that is no fault, is recorded as it is."""
+    from quantpipe.run.dispatch import _Retry
+    from quantpipe.run.record import StageRecord
+
+    e = SimpleNamespace(id="evaluate:gptq", kind="evaluate", joint="benchmark:gptq")
+    b = SimpleNamespace(id="benchmark:gptq", kind="benchmark", joint=None)
+    by_id = {s.id: s for s in (e, b)}
+    fault = StageRecord(kind="benchmark", status="failed", fault=True, error="out of GPU memory")
+    r, failed = _Retry(), {e.id: "x", b.id: "x"}
+    r.shared |= {e.id, b.id}
+    assert r.again(e, fault.model_copy(update={"kind": "evaluate"}), by_id, failed) == [] and e.id not in failed
+    assert r.again(b, fault, by_id, failed) == [e, b] and failed == {} and r.alone == {b.id}
+    assert r.again(b, fault, by_id, failed) is None  # once
+    r2 = _Retry()
+    assert r2.again(b, fault, by_id, {}) is None  # it had its GPU to itself
+    r2.shared.add(b.id)
+    plain = fault.model_copy(update={"fault": None, "error": "StageError: bad workload"})
+    assert r2.again(b, plain, by_id, {}) is None
+    # an evaluation held back for a benchmark that is not retried is recorded as failed with it
+    r3, failed3 = _Retry(), {}
+    r3.shared |= {e.id, b.id}
+    r3.again(e, fault.model_copy(update={"kind": "evaluate"}), by_id, failed3)
+    held = r3.release(b.id, failed3)
+    assert held[0] is e and failed3 == {e.id: "out of GPU memory"}

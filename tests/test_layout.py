@@ -7,8 +7,6 @@ from pathlib import Path
 
 from quantpipe.envs import PACKAGE_DIR, STAGES, _module_file, import_closure, imports_of, source_hash
 
-MAX_MODULE_LINES = 400
-
 
 def _modules(root: Path = PACKAGE_DIR) -> list[str]:
     names = []
@@ -74,12 +72,3 @@ def test_stages_never_import_each_other():
         for m in own:
             others = {d for d in imports_of(m) for o in stages - {s} if d == o or d.startswith(o + ".")}
             assert not others, f"{m} imports {others}: move what they share to quantpipe.common"
-
-
-def test_no_module_over_400_lines():
-    long = {
-        str(f.relative_to(PACKAGE_DIR)): n
-        for f in PACKAGE_DIR.rglob("*.py")
-        if (n := len(f.read_text().splitlines())) > MAX_MODULE_LINES
-    }
-    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their seams): {long}"

@@ -333,9 +333,15 @@ def test_gpu_evaluation_with_vllm_reserves_its_share(tmp_path):
         for p in bad
     ), bad
     default = recipe(tmp_path, m, evaluation={"lm_eval": {"tasks": ["t"], "backend": "vllm"}})
-    assert preflight.estimate(default, build_steps(default, str(m)), str(m), gpu=gpu)["evaluate:baseline"][
-        "gpu_bytes"
-    ] == int(0.9 * 80 * GIB)
+    # without a share set, its own server needs the weights, one max-length sequence of KV cache with headroom and
+    # what vLLM needs beside them (a default until a server on this GPU has been measured), not 90 % of the card
+    est = preflight.estimate(default, build_steps(default, str(m)), str(m), gpu=gpu)["evaluate:baseline"]
+    terms = est["gpu_terms"]
+    assert (
+        est["gpu_bytes"] == sum(terms.values()) < 20 * GIB
+        and terms["CUDA graphs, activations, context (default)"] == 10 * GIB
+    )
+    assert set(terms) == {"weights", "KV cache", "CUDA graphs, activations, context (default)"}
 
 
 def test_gpu_memory_is_read_for_the_gpu_cuda_visible_devices_names(tmp_path, monkeypatch):
@@ -347,6 +353,62 @@ def test_gpu_memory_is_read_for_the_gpu_cuda_visible_devices_names(tmp_path, mon
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{smi.parent}:/usr/bin:/bin")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 81000 * 2**20}
+    assert preflight.gpu_memory() == {
+        "total_bytes": 81920 * 2**20,
+        "free_bytes": 81000 * 2**20,
+        "card_bytes": 81920 * 2**20,
+        "name": "",
+    }
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
-    assert preflight.gpu_memory() == {"total_bytes": 81920 * 2**20, "free_bytes": 2048 * 2**20}
+    assert preflight.gpu_memory() == {
+        "total_bytes": 81920 * 2**20,
+        "free_bytes": 2048 * 2**20,
+        "card_bytes": 81920 * 2**20,
+        "name": "",
+    }
+
+
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_a_gpu_server_without_memory_settings_is_sized_from_its_workloads_and_fits_a_40_gib_card(tmp_path):
+    """The 8B shape's benchmark with no memory settings: weights + a KV cache for the highest concurrency of the longest
+    sequence (64 x 640 tokens, with 1.25x headroom: 6.25 GiB) + what vLLM needs beside them, a default until a server
+    on this GPU was measured, then the measured figure with a margin. It fits an A100 40GB; vLLM's 0.9 default did not
+    share an 80 GB card, and the old 0.22 held no 8B weights on a 40 GB one."""
+    m = model_dir(tmp_path, LLAMA3_8B)
+    bench = {
+        "workloads": [{"name": "chat", "input_len": 512, "output_len": 128, "num_prompts": 64}],
+        "concurrency": [1, 16, 64],
+    }
+    r = recipe(tmp_path, m, benchmark=bench)
+    card = {"total_bytes": 40 * GIB, "free_bytes": 39 * GIB, "card_bytes": 40 * GIB, "name": "NVIDIA A100-SXM4-40GB"}
+    est = preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=card)["benchmark:baseline"]
+    terms = est["gpu_terms"]
+    assert terms["KV cache"] == 64 * 640 * 1.25 * 2 * 32 * 8 * 128 * 2 == 6.25 * GIB
+    assert terms["CUDA graphs, activations, context (default)"] == 10 * GIB
+    assert est["gpu_bytes"] == terms["weights"] + terms["KV cache"] + 10 * GIB < 39 * GIB
+    assert preflight.problems(r, {"benchmark:baseline": est}, {"gpu": card}, {"benchmark:baseline"}) == []
+    # a measured server on this GPU replaces the default (the largest seen, +10 % and 0.5 GiB)
+    metrics = {
+        "platform": "cuda",
+        "platform_info": {"device": "NVIDIA A100-SXM4-40GB"},
+        "variants": {"default": {"memory": {"overhead_gib": 3.0}}},
+    }
+    assert preflight.learn_server_overhead(tmp_path, metrics) == 3 * GIB
+    assert preflight.learn_server_overhead(
+        tmp_path, {**metrics, "variants": {"default": {"memory": {"overhead_gib": 2.0}}}}
+    )
+    over, how = preflight.server_overhead(tmp_path, "NVIDIA A100-SXM4-40GB")
+    assert over == int(3 * GIB * 1.1) + GIB // 2 and how == "measured on this NVIDIA A100-SXM4-40GB"
+    assert preflight.server_overhead(tmp_path, "NVIDIA H100 80GB HBM3") == (10 * GIB, "default")

@@ -5,6 +5,7 @@ Only `probe_platform` imports vLLM (serve environment); everything else is light
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,6 +19,12 @@ if TYPE_CHECKING:
     from ..stages.contract import BenchmarkInput, PackageInput
 
 DEFAULT_CPU_KV_BYTES = 256 * 2**20  # vLLM's CPU worker needs an explicit KV-cache size: quantpipe's minimum
+# A GPU server's memory beyond its weights and KV cache (CUDA context, CUDA graphs, the profiling run's activations, the
+# sampler's warm-up over max_num_seqs rows of logits), until a start on this host has been measured: servers of an 8B
+# model on an H100 peaked 4.6-7.6 GiB above their weights and KV cache with vLLM's defaults.
+GPU_OVERHEAD_BYTES = 10 * 2**30
+KV_HEADROOM = 1.25  # the KV cache quantpipe picks holds a quarter more than the workloads' sequences at once
+GPU_BYTES_ENV = "QUANTPIPE_GPU_BYTES"  # the GPU memory the scheduler granted a stage's server, for its start-up check
 # vLLM names the linear kernel it picked as it loads a model: "Selected CutlassFP8ScaledMMLinearKernel for CompressedTensorsW8A8Fp8"
 LINEAR_KERNEL = re.compile(r"\b(?:Selected|Using) (\w*Kernel\w*) for ([\w.-]+(?: linear)?)")
 
@@ -35,6 +42,7 @@ def probe_platform() -> dict:
     elif torch.cuda.is_available():
         plat["device"] = torch.cuda.get_device_name(0)
         plat["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        plat["gpu_total_bytes"] = torch.cuda.get_device_properties(0).total_memory
     return plat
 
 
@@ -156,3 +164,35 @@ def kv_bytes_per_token(model_dir: Path, kv_cache_dtype: str | None) -> int | Non
         return None
     elt = 1 if (kv_cache_dtype or "auto").startswith("fp8") else 2
     return 2 * layers * kv_heads * head_dim * elt
+
+
+def gpu_kv_bytes(bench, engine: Engine, bytes_per_token: int, model_max_len: int | None) -> int | None:
+    """The KV cache of a GPU server whose engine sets neither kv_cache_memory_bytes nor gpu_memory_utilization: every
+    sequence of the highest concurrency (or goodput-search bound) at the longest length a workload sends, with
+    KV_HEADROOM, and never less than one max_model_len sequence; None where the engine sets either."""
+    if engine.kv_cache_memory_bytes is not None or engine.gpu_memory_utilization is not None:
+        return None
+    max_len = engine.max_model_len or model_max_len or 2048
+    longest = max((w.max_tokens or max_len) for w in bench.workloads)
+    sequences = max([*bench.concurrency, bench.goodput_search or 0])
+    tokens = max(max_len, longest * sequences) * KV_HEADROOM
+    return math.ceil(tokens * bytes_per_token / 2**20) * 2**20
+
+
+def gpu_utilization(need_bytes: int, total_bytes: int) -> float:
+    """The gpu_memory_utilization that lets a server of `need_bytes` start on a card of `total_bytes`: vLLM refuses to
+    start where less than that share of the card is free, and with kv_cache_memory_bytes set it reserves no more."""
+    return min(0.98, math.ceil(100 * need_bytes / total_bytes) / 100)
+
+
+def gpu_start_share(engine: dict, weights_bytes: int, plat: dict) -> float | None:
+    """The gpu_memory_utilization a GPU server with a fixed KV cache gets where its engine sets none: the memory the
+    scheduler granted it ($QUANTPIPE_GPU_BYTES), else weights + KV cache + GPU_OVERHEAD_BYTES, over the card's."""
+    import os
+
+    total = plat.get("gpu_total_bytes")
+    if plat.get("platform") != "cuda" or not total or not engine.get("kv_cache_memory_bytes"):
+        return None
+    granted = os.environ.get(GPU_BYTES_ENV, "")
+    need = int(granted) if granted.isdigit() else weights_bytes + engine["kv_cache_memory_bytes"] + GPU_OVERHEAD_BYTES
+    return gpu_utilization(need, total)

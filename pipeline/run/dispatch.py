@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import preflight
 from ..cache import StageCache
 from ..common import measure_gate
+from ..server_output import fault_recorded_as_verdict
 from ..stages.contract import Upstream
 from .build import Builder, StageFailed
 from .finish import plain as _plain
@@ -69,6 +70,7 @@ class StepDispatch:
         )  # plan order, quantize stages first: each starts the longest chain
         done: queue.Queue = queue.Queue()
         threads: dict[str, threading.Thread] = {}
+        retry = _Retry()  # benchmarks whose server failed beside other work: tried once more, alone on their GPU
 
         def work(job: list[Step], grant: Grant) -> None:
             """One stage, or an evaluation with its benchmark (a joint job: one server for both)."""
@@ -147,7 +149,7 @@ class StepDispatch:
                         continue  # an input is not committed yet
                     if s.kind == "benchmark" and any(p.joint == s.id for p in pending):
                         continue  # its evaluation is decided first: through this benchmark's server, or on its own
-                    if not is_forced(s, force) and self.cache.lookup(s.id, s.key) is not None:
+                    if not is_forced(s, force) and self._lookup(s) is not None:
                         pending.remove(s)  # a cache hit needs no GPU: checked here, in order
                         work([s], Grant([]))
                         continue
@@ -155,13 +157,18 @@ class StepDispatch:
                     b = by_id.get(s.joint)
                     if (
                         b in pending
-                        and (is_forced(b, force) or self.cache.lookup(b.id, b.key) is None)
+                        and (is_forced(b, force) or self._lookup(b) is None)
                         and all(d in self.records for d in (b.src, *b.refs.values()) if d in ids)
                     ):
                         job = [s, b]  # both to build: one job, on the benchmark's terms (whole GPUs, or the host alone)
                     head = job[-1]
                     tp = (head.inp.benchmark.engine.tensor_parallel_size or 1) if head.kind == "benchmark" else 1
-                    share = head.kind == "benchmark" and self.executor is None and shares_gpu(head.inp.benchmark)
+                    share = (
+                        head.kind == "benchmark"
+                        and self.executor is None
+                        and shares_gpu(head.inp.benchmark, any(g.name != "simulated" for g in self.scheduler.gpus))
+                        and head.id not in retry.alone
+                    )
                     grant = self.scheduler.try_start(
                         head.id, head.kind, self.estimates.get(head.id), n_gpus=tp, share=share
                     )
@@ -169,6 +176,7 @@ class StepDispatch:
                         continue
                     if share and not grant.exclusive:
                         grant.gate = measure_gate.new_folder(self.tmpdir)
+                        retry.shared |= {x.id for x in job}
                     for x in job:
                         pending.remove(x)
                     threads[head.id] = threading.Thread(
@@ -191,18 +199,47 @@ class StepDispatch:
                 if th is not None:
                     th.join()
                     self.scheduler.finish(s.id)
+                again = retry.again(s, rec, by_id, failed)
+                if again is not None:
+                    pending.extend(again)
+                    if again:
+                        self.say(
+                            f"  [yellow]↻[/yellow] {s.id:<24} failed beside other work on its GPU ({_plain(rec.error or '')[:160]}); "
+                            "trying it again with the GPU to itself"
+                        )
+                    continue
+                held = retry.release(s.id, failed)
+                if held is not None:
+                    record.stages[held[0].id] = held[1]
+                if s.id in retry.first:
+                    rec.retried = retry.first[s.id]
                 rec.preflight = {
                     "estimate": preflight.record(self.estimates, s.id),
                     "actual": preflight.actual_peak(rec.metrics),
                     "deadline_s": self.deadline_s(s.id),
                 }
                 record.stages[s.id] = rec
+                if s.kind == "benchmark" and rec.status == "ok" and rec.cache != "hit":  # sizes the next servers
+                    preflight.learn_server_overhead(self.cache.root, rec.metrics)
                 write_record(run_dir, record, self.secret_values)
         finally:
             if threads:  # interrupted: stop every running stage, then let their threads clean up their work folders
                 self.procs.stop_all()
                 for th in threads.values():
                     th.join(timeout=30)
+
+    def _lookup(self, s: Step) -> dict | None:
+        """The cache entry of `s`, unless it is a benchmark that recorded a fault of its host as "not servable here"
+        (an entry written before faults failed their stage): that one is discarded, and the stage measured again."""
+        marker = self.cache.lookup(s.id, s.key)
+        fault = fault_recorded_as_verdict(marker.get("metrics") or {}) if marker and s.kind == "benchmark" else None
+        if fault:
+            self.say(
+                f"  [yellow]![/yellow] {s.id}: its cached result says not servable because {fault}, a fault of the host; measuring it again"
+            )
+            self.cache.discard(s.id, s.key)
+            return None
+        return marker
 
     def _tend_gates(self, t_start: float) -> None:
         """Let each shared benchmark asking to measure (measure_gate.py) go once its GPU is otherwise idle."""
@@ -233,7 +270,7 @@ class StepDispatch:
         rec = StageRecord(kind=s.kind, artifact=s.artifact, env=s.env, key=s.key)
         t0 = time.perf_counter()
         forced = is_forced(s, force)
-        marker = None if forced or built is not None else self.cache.lookup(s.id, s.key)
+        marker = None if forced or built is not None else self._lookup(s)
         state = "forced" if forced else "miss"
         if marker is not None:
             problems = self.cache.verify_entry(s.id, s.key, marker, full=True)
@@ -263,6 +300,7 @@ class StepDispatch:
                     update={
                         "cache": state,
                         "status": "failed",
+                        "fault": e.fault or None,
                         "error": e.summary,
                         "log": str(e.log_path),
                         "log_tail": e.tail,
@@ -313,6 +351,45 @@ class StepDispatch:
             for s in (e, b)
             if s not in sent
         ]
+
+
+class _Retry:
+    """Which failed stages are tried again in the same run: a benchmark (with its joint evaluation) whose server failed
+    for a reason of the host while it shared its GPU, once, with the GPU to itself."""
+
+    def __init__(self):
+        self.shared: set[str] = set()  # stages started on a shared GPU
+        self.alone: set[str] = set()  # benchmarks to start with their GPU to themselves
+        self.first: dict[str, str] = {}  # stage id -> the error of its first try
+        self.held: dict[str, tuple[Step, StageRecord]] = {}  # benchmark id -> its joint evaluation's failed record
+
+    def again(self, s: Step, rec: StageRecord, by_id: dict[str, Step], failed: dict) -> list[Step] | None:
+        """The steps to queue again after `rec` ([] to hold it back until its benchmark's record), or None: record it."""
+        if not (rec.status == "failed" and rec.fault and s.id in self.shared and s.id not in self.first):
+            return None
+        if s.kind == "evaluate" and s.joint in by_id and s.joint not in self.first:
+            self.held[s.joint] = (s, rec)  # decided when its benchmark's record comes
+            failed.pop(s.id, None)  # nothing that reads it is skipped meanwhile
+            return []
+        if s.kind != "benchmark":
+            return None
+        self.first[s.id] = rec.error or ""
+        self.alone.add(s.id)
+        steps = [s]
+        held = self.held.pop(s.id, None)
+        if held is not None:
+            self.first[held[0].id] = held[1].error or ""
+            steps.insert(0, held[0])
+        for x in steps:
+            failed.pop(x.id, None)
+        return steps
+
+    def release(self, sid: str, failed: dict) -> tuple[Step, StageRecord] | None:
+        """The evaluation held back for benchmark `sid`, when the benchmark is not tried again: it is recorded as failed."""
+        held = self.held.pop(sid, None)
+        if held is not None:
+            failed[held[0].id] = held[1].error
+        return held
 
 
 def is_forced(s: Step, force: set[str]) -> bool:

@@ -56,6 +56,8 @@ def run_matrix(
     index_dir: Path | None = None,
     after=None,
     gpu_select: str | None = None,
+    gpu_memory_bytes: int | None = None,
+    command: str | None = None,
 ) -> int:
     """Run every (recipe, path) in `recipes`; write the index when there are several (or index_dir is given); the exit code."""
     outs = [Path(r.output_dir).resolve() for r, _ in recipes]
@@ -81,6 +83,8 @@ def run_matrix(
                 jobs=jobs,
                 gpu_select=gpu_select,
                 executor=cluster,
+                gpu_memory_bytes=gpu_memory_bytes,
+                command=command,
             )
             for r, p in recipes
         ]
@@ -94,9 +98,12 @@ def run_matrix(
         for runner, (base_dir, steps) in zip(runners, plans):
             todo = {s.id for s in steps if is_forced(s, force) or not (s.key and runner.cache.lookup(s.id, s.key))}
             try:
-                (runner.executor.preflight if runner.executor else preflight.check)(
-                    runner.recipe, steps, base_dir, runner.cache.root, runner.out_dir, todo
-                )
+                if runner.executor:
+                    runner.executor.preflight(runner.recipe, steps, base_dir, runner.cache.root, runner.out_dir, todo)
+                else:
+                    preflight.check(
+                        runner.recipe, steps, base_dir, runner.cache.root, runner.out_dir, todo, gpu_memory_bytes
+                    )
             except preflight.PreflightError as e:
                 raise RunError(f"{runner.recipe_path}: {e}") from None
         t0 = time.time()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from ..common.lenient import Lenient, Num, Obj, Part, PartsByName, Seq, Text, Texts
+from ..common.lenient import Flag, Lenient, Num, Obj, Part, PartsByName, Seq, Text, Texts
 from .process import redact
 
 log = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ class StageRecord(Lenient):
     status: Text = None
     reason: Text = None
     error: Text = None
+    fault: Flag = None  # failed for a reason of the host (out of memory, a killed server), not of its input: retried
+    retried: Text = None  # the failure of an earlier try in this run, which it was tried again after
     log: Text = None
     log_tail: Text = None
     wall_s: Num = None
@@ -83,6 +85,7 @@ class RunRecord(Lenient):
     recipe_name: Text = None
     recipe_path: Text = None
     recipe_hash: Text = None
+    command: Text = None  # the command line that started the run, as typed (secrets redacted with the rest)
     recipe: Obj = Field(default_factory=dict)  # the recipe as validated (recipe/schema.py), in JSON form
     status: Text = None
     error: Text = None

@@ -34,7 +34,7 @@ from .plan import Step, build_steps, compute_keys, select
 from .process import Processes, RedactFilter, redact, secrets
 from .publish import PublishError
 from .record import RunRecord, close_dead_runs, index_run, new_run_dir, write_record
-from .schedule import Scheduler, default_jobs, gpus
+from .schedule import Scheduler, default_jobs, free_bytes, gpus
 
 log = logging.getLogger(__name__)
 KINDS = ("merge", "quantize", "evaluate", "benchmark", "package")
@@ -52,6 +52,8 @@ class Runner(StepDispatch):
         jobs: int | None = None,
         gpu_select: str | None = None,
         executor=None,
+        gpu_memory_bytes: int | None = None,
+        command: str | None = None,
     ):
         self.recipe = recipe
         self.recipe_path = Path(recipe_path)
@@ -69,8 +71,10 @@ class Runner(StepDispatch):
         self.available: dict | None = None  # what pre-flight compared the estimates with
         self.records: dict[str, Upstream] = {}  # stage id -> its committed output, key, wall time and metrics
         self.run_dir: Path | None = None  # the last run's folder (the CLI prints its summary from there)
-        self.gpus = gpus(gpu_select)
-        self.scheduler = Scheduler(self.gpus, jobs=jobs or default_jobs(len(self.gpus)))
+        self.gpu_memory_bytes = gpu_memory_bytes  # --gpu-memory: the most this run uses of each GPU
+        self.command = command  # the command line that started the run, for its record and report
+        self.gpus = gpus(gpu_select, gpu_memory_bytes)
+        self.scheduler = Scheduler(self.gpus, jobs=jobs or default_jobs(len(self.gpus)), free_probe=free_bytes)
         self.builder = Builder(self)
         self.executor = (
             executor.attach(self) if executor is not None else None
@@ -116,7 +120,7 @@ class Runner(StepDispatch):
 
     def dry_run(self, force: set[str], kinds=None, artifacts=None) -> list[dict]:
         base_dir, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)
-        have = preflight.machine(self.cache.root, self.out_dir)
+        have = preflight.machine(self.cache.root, self.out_dir, self.gpu_memory_bytes)
         est = preflight.estimate(self.recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
         self._set_deadlines(steps, base_dir, have["gpu"])
         rows = []
@@ -146,8 +150,12 @@ class Runner(StepDispatch):
         self.procs.stopping = False
         todo = {s.id for s in steps if is_forced(s, force) or not (s.key and self.cache.lookup(s.id, s.key))}
         try:
-            self.estimates, have = (self.executor.preflight if self.executor else preflight.check)(
-                self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo
+            self.estimates, have = (
+                self.executor.preflight(self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo)
+                if self.executor
+                else preflight.check(
+                    self.recipe, steps, base_dir, self.cache.root, self.out_dir, todo, self.gpu_memory_bytes
+                )
             )
         except preflight.PreflightError as e:
             raise RunError(str(e)) from None
@@ -193,6 +201,7 @@ class Runner(StepDispatch):
             recipe_name=self.recipe.name,
             recipe_path=str(self.recipe_path.resolve()),
             recipe_hash=hash_json(recipe_json)[:16],
+            command=self.command,
             recipe=recipe_json,
             status="running",
             started_at=_iso(t_start),
@@ -203,7 +212,11 @@ class Runner(StepDispatch):
             stages={},
             artifacts={},
             available=self.available,
-            scheduler={"gpus": [g.index for g in self.gpus], "jobs": self.scheduler.jobs},
+            scheduler={
+                "gpus": [g.index for g in self.gpus],
+                "jobs": self.scheduler.jobs,
+                "gpu_memory_gib": round(self.gpu_memory_bytes / 2**30, 2) if self.gpu_memory_bytes else None,
+            },
         )
         write_record(run_dir, record, self.secret_values)
         old_handlers = self._trap_signals()

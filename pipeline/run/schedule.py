@@ -15,6 +15,7 @@ start when nothing runs (pre-flight refused any that fits nowhere). In full: doc
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..common.nvidia import nvidia_smi, visible_gpus
@@ -27,8 +28,9 @@ SHARED = {"quantize", "evaluate"}
 @dataclass(frozen=True)
 class Gpu:
     index: str
-    total_bytes: int
+    total_bytes: int  # what the run may use of it: the card's memory, or less under --gpu-memory
     name: str = ""
+    card_bytes: int = 0  # the card's own memory (0: as total_bytes)
 
 
 @dataclass
@@ -44,9 +46,30 @@ class Grant:
     cpu_shared: bool = False  # on a shared host: the stage's OpenMP threads sleep rather than spin while they wait
 
 
-def gpus(select: str | None = None) -> list[Gpu]:
+def gpus(select: str | None = None, cap_bytes: int | None = None) -> list[Gpu]:
     """The GPUs a run may use: nvidia-smi's (within CUDA_VISIBLE_DEVICES), or `QUANTPIPE_GPUS` simulated ones
-    (`2` for two of 80 GiB, `2x24` for two of 24 GiB) for a CPU host; `select` ("0,1", --gpus) narrows them."""
+    (`2` for two of 80 GiB, `2x24` for two of 24 GiB) for a CPU host; `select` ("0,1", --gpus) narrows them;
+    `cap_bytes` (--gpu-memory) is the most the run uses of each."""
+    found = _gpus(select)
+    if cap_bytes:
+        found = [Gpu(g.index, min(g.total_bytes, cap_bytes), g.name, g.total_bytes) for g in found]
+    return found
+
+
+def free_bytes(gpu: Gpu) -> int | None:
+    """The memory free on `gpu` now as nvidia-smi sees it, less what --gpu-memory leaves to others (None: simulated, or
+    nvidia-smi does not answer)."""
+    if gpu.name == "simulated":
+        return None
+    rows = nvidia_smi("--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", gpu.index)
+    try:
+        free = int(float(rows[0][0])) * 2**20
+    except (ValueError, IndexError):
+        return None
+    return free - ((gpu.card_bytes or gpu.total_bytes) - gpu.total_bytes)
+
+
+def _gpus(select: str | None) -> list[Gpu]:
     sim = os.environ.get("QUANTPIPE_GPUS", "").strip()
     if sim:
         n, _, gib = sim.partition("x")
@@ -70,9 +93,11 @@ def gpus(select: str | None = None) -> list[Gpu]:
     return found
 
 
-def shares_gpu(bench) -> bool:
-    """Its KV cache is sized by `kv_cache_memory_bytes` (variants inherit it), not by free GPU memory at start-up."""
-    return bench.engine.kv_cache_memory_bytes is not None
+def shares_gpu(bench, on_gpu: bool) -> bool:
+    """Its KV cache is sized by `kv_cache_memory_bytes` (variants inherit it), not by free GPU memory at start-up: the
+    recipe's, or on a GPU host, where the engine sets no gpu_memory_utilization either, the one quantpipe picks."""
+    e = bench.engine
+    return e.kv_cache_memory_bytes is not None or (on_gpu and e.gpu_memory_utilization is None)
 
 
 def default_jobs(n_gpus: int) -> int:
@@ -87,6 +112,9 @@ class Scheduler:
     jobs: int = 1
     running: dict[str, Grant] = field(default_factory=dict)
     asks: int = 0  # requests to measure so far
+    # the memory free on a GPU now (schedule.free_bytes; None: unknown): a stage that shares a GPU starts only where
+    # its grant fits what is really free, not only what the grants leave, since other processes use GPUs too
+    free_probe: Callable[[Gpu], int | None] | None = None
 
     def _users(self, index: str | None) -> list[Grant]:
         """The grants on GPU `index`; None: on the host (a host without GPUs is one device to share)."""
@@ -125,7 +153,7 @@ class Scheduler:
                 for g in self.gpus
                 if not any(u.exclusive for u in self._users(g.index))
                 and not self._held(g.index)
-                and (self._free_bytes(g) >= need or not self._users(g.index))
+                and (not self._users(g.index) or (self._free_bytes(g) >= need and self._really_free(g, need)))
             ]
             if not fits:
                 return None
@@ -135,6 +163,10 @@ class Scheduler:
                 gpu = min(fits, key=lambda g: (not self._users(g.index), self._free_bytes(g)))
             return self._grant(sid, Grant([gpu.index], need, ram))
         return self._grant(sid, Grant([], 0, ram, cpu_shared=on_host and kind not in EXCLUSIVE))
+
+    def _really_free(self, gpu: Gpu, need: int) -> bool:
+        free = self.free_probe(gpu) if self.free_probe is not None else None
+        return free is None or free >= need
 
     def wait_to_measure(self, sid: str) -> None:
         """`sid` (a shared benchmark) is ready to measure: idle on its GPU until `try_measure` lets it."""

@@ -5,3 +5,11 @@ and never import each other (what they share is in quantpipe.common). Heavy impo
 
 class StageError(Exception):
     """The stage refuses its input; the message says what is wrong and how to fix it."""
+
+
+class HostFault(StageError):
+    """The stage failed for a reason of the host at that moment (out of memory, a killed or hung server, a taken port or
+    GPU), not a verdict on its input: nothing of it is cached, and the next run (or, on a shared GPU, the same run with the
+    GPU to itself) tries it again."""
+
+    fault = True

@@ -14,7 +14,13 @@ import os
 from pathlib import Path
 
 from ...common.hf_config import text_config
-from ...common.vllm_support import DEFAULT_CPU_KV_BYTES, kv_bytes_per_token
+from ...common.vllm_support import (
+    DEFAULT_CPU_KV_BYTES,
+    KV_HEADROOM,
+    gpu_kv_bytes,
+    gpu_start_share,
+    kv_bytes_per_token,
+)
 from ...recipe import Adapter, Engine
 from .. import StageError
 from ..contract import BenchmarkInput
@@ -31,6 +37,8 @@ def effective_engine(
     e = {"dtype": inp.base.dtype, **e}
     if inp.base.trust_remote_code:
         e["trust_remote_code"] = True
+    if plat.get("platform") == "cuda":
+        notes += _gpu_memory(e, engine, inp, model_dir, plat)
     if (
         plat.get("platform") == "cpu"
         and "kv_cache_memory_bytes" not in e
@@ -60,6 +68,36 @@ def effective_engine(
             "KV-cache size and the recipe sets none (benchmark.engine.kv_cache_memory_bytes)"
         )
     return e, notes
+
+
+def _gpu_memory(e: dict, engine: Engine, inp: BenchmarkInput, model_dir: Path, plat: dict) -> list[str]:
+    """On a GPU: where the recipe sets neither kv_cache_memory_bytes nor gpu_memory_utilization, a KV cache sized from
+    the workloads (common/vllm_support.gpu_kv_bytes), so the server needs what its traffic needs rather than 90 % of the
+    card; and where the KV cache is fixed, the share of the card vLLM checks is free at start-up. Updates `e`."""
+    notes = []
+    bpt = kv_bytes_per_token(model_dir, e.get("kv_cache_dtype"))
+    kv = (
+        gpu_kv_bytes(inp.benchmark, engine, bpt, text_config(model_dir).get("max_position_embeddings")) if bpt else None
+    )
+    if kv:
+        e["kv_cache_memory_bytes"] = kv
+        notes.append(
+            f"kv_cache_memory_bytes set to {kv} ({kv / 2**30:.2f} GiB): the workloads' longest sequences at the highest "
+            f"concurrency with {KV_HEADROOM:g}x headroom, as the recipe sets no KV-cache size "
+            "(benchmark.engine.kv_cache_memory_bytes or gpu_memory_utilization)"
+        )
+    share = None if "gpu_memory_utilization" in e else gpu_start_share(e, weights_bytes(model_dir), plat)
+    if share:
+        e["gpu_memory_utilization"] = share
+        notes.append(
+            f"gpu_memory_utilization set to {share:g}: with a fixed KV cache it only decides how much of the card "
+            "vLLM checks is free at start-up, so it is the memory this server was granted"
+        )
+    return notes
+
+
+def weights_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
 def _available_bytes() -> int:

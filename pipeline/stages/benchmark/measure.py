@@ -19,6 +19,8 @@ from ...common.measure_gate import measuring
 from ...common.vllm_support import LINEAR_KERNEL, engine_flags
 from ...recipe import Benchmark, Workload
 from ...server import Server, ServerDied
+from ...server_output import fault_cause
+from .. import HostFault
 from .bench_serve import bench_serve_args, require_completed, row_from_vllm, slo_goodput_args, slo_met, vllm_bench_serve
 from .client import BenchClient
 from .server_metrics import counters, engine_stats, kv_gib, kv_tokens, loaded_weights_gib, weights_gib
@@ -70,6 +72,7 @@ def warm_up(
             + (f" (vLLM serves its layers with {', '.join(kernels)})" if kernels else "")
             + "; measure it on hardware with native kernels for its scheme",
             e.log_tail,
+            verdict=True,
         ) from None
     for model in models:  # one prompt of the workload's length, one short: first-use costs of both shapes are paid here
         for n in (n_in, 16):
@@ -322,8 +325,19 @@ def serve_variant(
             }
         info["memory"]["peak_rss_gib"] = round(srv.peak_rss_bytes / 2**30, 3)
         if plat.get("platform") == "cuda":
-            info["memory"]["peak_gpu_gib"] = round(srv.peak_gpu_bytes / 2**30, 3)
+            mem = info["memory"]
+            mem["peak_gpu_gib"] = round(srv.peak_gpu_bytes / 2**30, 3)
+            if mem["peak_gpu_gib"] and mem.get("kv_cache_gib"):  # what the runner learns for sizing the next servers
+                weights = mem.get("weights_loaded_gib") or mem["weights_gib"]
+                mem["overhead_gib"] = round(mem["peak_gpu_gib"] - weights - mem["kv_cache_gib"], 3)
     except ServerDied as e:
+        fault = None if e.verdict else fault_cause(e.reason, e.log_tail, started=srv.start_s is not None)
+        if fault:
+            raise HostFault(
+                f"the {name!r} server of {served_model_name} failed: {fault} ({e.reason}). A fault of this host, not a "
+                f"verdict on the model: nothing of this benchmark is kept, and the next run measures it again "
+                f"(its log: {out / info['log']})"
+            ) from None
         info.update(servable=False, reason=f"not servable here: {e.reason}", log_tail=e.log_tail, rows=[])
         info.setdefault("server_start_s", srv.start_s)
         info.setdefault("port", srv.port)

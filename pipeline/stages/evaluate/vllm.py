@@ -19,7 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import StageError
+from .. import HostFault, StageError
 from .compare import Scores
 from .fidelity import sequences, source, summarize
 from .harness import run_lm_eval
@@ -52,6 +52,7 @@ def run_vllm(
         extra["engine"] = {"shared": True, "serve_command": serve_command(server)}
         return _evaluate(server, inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra)
     from ...server import Server, ServerDied
+    from ...server_output import fault_cause
 
     flags, engine = own_engine(src, inp.base.trust_remote_code, inp.artifact, inp.method, settings, inp.lm_eval)
     srv = Server(
@@ -67,8 +68,14 @@ def run_vllm(
             extra["engine"] = {**engine, "shared": False, "serve_command": serve_command(srv)}
             return _evaluate(srv, inp, src, out, tok, rows, settings, baseline_eval, scores, timings, extra)
     except ServerDied as e:
+        fault = fault_cause(e.reason, e.log_tail, started=srv.start_s is not None)
+        if fault:
+            raise HostFault(
+                f"{inp.artifact}: the evaluation's vLLM server failed: {fault} ({e.reason}). A fault of this host, "
+                f"not of the model: nothing was kept, and the next run evaluates it again (its log: {out / 'server.log'})"
+            ) from None
         raise StageError(
-            f"{inp.artifact}: the evaluation's vLLM server failed: {e.reason}; evaluate it with "
+            f"{inp.artifact}: the evaluation's vLLM server could not load the model: {e.reason}; evaluate it with "
             f"evaluation.lm_eval.backend: hf (its log: {out / 'server.log'})"
         ) from None
 
@@ -88,7 +95,9 @@ def own_engine(
     from ...common.hf_config import text_config
     from ...common.vllm_support import (
         DEFAULT_CPU_KV_BYTES,
+        KV_HEADROOM,
         engine_flags,
+        gpu_start_share,
         kv_bytes_per_token,
         probe_platform,
         quant_scheme,
@@ -112,6 +121,14 @@ def own_engine(
         engine["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
     elif le is not None and le.gpu_memory_utilization is not None:
         engine["gpu_memory_utilization"] = le.gpu_memory_utilization
+    elif plat["platform"] == "cuda":  # sized as pre-flight and the scheduler count it (preflight.eval_server_terms)
+        bpt = kv_bytes_per_token(src, None) or 0
+        need = bpt * (text_config(src).get("max_position_embeddings") or 2048) * KV_HEADROOM
+        engine["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
+        weights = sum(p.stat().st_size for p in Path(src).glob("*.safetensors"))
+        share = gpu_start_share(engine, weights, plat)
+        if share:
+            engine["gpu_memory_utilization"] = share
     return engine_flags(engine), {"engine": engine, "platform": plat, "scheme": scheme}
 
 
