@@ -4,10 +4,11 @@
 safetensors files of the base and the adapters against their own headers, adapters against their config and the base
 model, links that leave those folders (`common/links.py`), config.json and the tokenizer (`quantpipe.fit`), the rows
 as the tokenizer makes them (`quantpipe.tokenized`), lm-eval tasks (`quantpipe.lm_tasks`) and where the run writes
-(`quantpipe.places`). A bad row, a truncated shard, an adapter
-whose config is not its weights' or that was trained on another model, a group size the layers cannot take, a prompt
-longer than the context or a misspelt task is then bad input (exit 2, the field or file and line named) in `quantpipe check` and before
-`quantpipe run` writes anything, not a stage failure an hour in:
+(`quantpipe.places`). A bad row, a truncated shard, an adapter whose config is not its weights' or that was trained on
+another model, a group size the layers cannot take, a prompt longer than the context or a misspelt task is then bad
+input (exit 2, the field or file and line named) in `quantpipe check` and before `quantpipe run` writes anything, not a
+stage failure an hour in. "Without torch": the one exception is `quantpipe.tokenized`, asked last, which loads a
+tokenizer through transformers:
 
     from quantpipe.inputs import problems
     problems(recipe)   # -> [] or ["data/val.jsonl:7: `reference` must be a non-empty string (metric exact_match)", ...]

@@ -24,9 +24,13 @@ VOCAB_FILES = (
 
 def problems(recipe, model_dir: Path, validation_rows: list[dict] | None, calibration_rows: list | None) -> list[str]:
     """Every row the merged model's tokenizer refuses; [] when there is no tokenizer transformers can load without remote
-    code (the stage that needs one then names the problem in its own words)."""
+    code (the stage that needs one then names the problem in its own words). The tokenizer (transformers and torch, some
+    seconds) is loaded only where a row could be refused: chat rows, or a prompt whose bytes could exceed the context."""
     chat_rows = [r for r in calibration_rows or [] if r.messages is not None]
-    if not validation_rows and not chat_rows:
+    c = read_config(model_dir)
+    ctx = model_context(text_part(c)) if c else None
+    val = [r for r in validation_rows or [] if ctx and ("messages" in r or _may_exceed(recipe, r, ctx[0]))]
+    if not val and not chat_rows:
         return []
     tok_dir = tokenizer_dir(recipe, model_dir)
     if not any((tok_dir / f).is_file() for f in VOCAB_FILES):
@@ -37,12 +41,13 @@ def problems(recipe, model_dir: Path, validation_rows: list[dict] | None, calibr
         tok = AutoTokenizer.from_pretrained(str(tok_dir))
     except Exception:  # noqa: BLE001 - any tokenizer transformers cannot load: the stage names it with its own error
         return []
-    out = calibration_problems(tok, chat_rows)
-    c = read_config(model_dir)
-    ctx = model_context(text_part(c)) if c else None
-    if validation_rows and ctx:
-        out += validation_problems(recipe, tok, tok_dir, ctx, validation_rows)
-    return out
+    return calibration_problems(tok, chat_rows) + (validation_problems(recipe, tok, tok_dir, ctx, val) if val else [])
+
+
+def _may_exceed(recipe, row: dict, context: int) -> bool:
+    """Whether a raw prompt could leave too little room: each token covers at least one byte of text (byte-level BPE,
+    SentencePiece with byte fallback, words), plus a few special tokens the tokenizer adds."""
+    return len(row["prompt"].encode()) + 8 + recipe.evaluation.validation.max_new_tokens > context
 
 
 def calibration_problems(tok, chat_rows: list) -> list[str]:
