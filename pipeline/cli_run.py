@@ -88,11 +88,12 @@ STAGE_HELP = "Comma-separated stage kinds (merge, quantize, evaluate, benchmark,
 @click.option("--wait", is_flag=True, help="If another run holds the output directory, wait for it instead of failing.")
 @click.option(
     "--stage-timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=click.FloatRange(min=0),
     default=None,
     metavar="MINUTES",
     help="Stop any stage that runs longer than this (and its processes; a benchmark sharing its GPU does not count the "
-    "time it waits for its turn to measure); the run goes on with the others and exits non-zero.",
+    "time it waits for its turn to measure); the run goes on with the others and exits non-zero. Default: 10x each "
+    "stage's pre-flight time estimate, at least 30 min (--dry-run prints it); 0: no deadline.",
 )
 @click.option(
     "--jobs",
@@ -244,7 +245,7 @@ def run(
             raise BadInput("--gpu-memory sizes this host's GPUs; with --executor ray, Ray places each stage: drop it")
     command = shlex.join(["quantpipe", *sys.argv[1:]])
     console = _console(quiet)
-    timeout_s = stage_timeout * 60 if stage_timeout else None
+    timeout_s = stage_timeout * 60 if stage_timeout is not None else None
     try:
         runners = [
             Runner(
@@ -267,19 +268,24 @@ def run(
         if dry_run:
             from rich.table import Table
 
+            from .deadline import describe
+
             for runner, (_, recipe) in zip(runners, loaded):
                 rows = runner.dry_run(forced, kinds, split_csv(artifacts))
                 gpu = any(row["gpu_gib"] is not None for row in rows)
                 t = Table(
                     title=f"plan for {recipe} (nothing written)",
-                    caption="RAM, disk" + (", GPU" if gpu else "") + ": pre-flight estimates in GiB",
+                    caption="RAM, disk"
+                    + (", GPU" if gpu else "")
+                    + ": pre-flight estimates in GiB; deadline: how long "
+                    "a stage may run (--stage-timeout)",
                 )
-                for col in ("stage", "env", "key", "cache", "RAM", *(("GPU",) if gpu else ()), "disk"):
+                for col in ("stage", "env", "key", "cache", "RAM", *(("GPU",) if gpu else ()), "disk", "deadline"):
                     t.add_column(col, no_wrap=True)
                 gib = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
                 for row in rows:
                     est = [gib(row["ram_gib"]), *((gib(row["gpu_gib"]),) if gpu else ()), gib(row["disk_gib"])]
-                    t.add_row(row["stage"], row["env"], row["key"], row["cache"], *est)
+                    t.add_row(row["stage"], row["env"], row["key"], row["cache"], *est, describe(row["deadline_s"]))
                 console.print(t)
                 for p in runner.preflight_problems:
                     console.print(f"[yellow]pre-flight: would refuse:[/yellow] {p}")

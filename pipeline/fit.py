@@ -2,8 +2,8 @@
 
 A group size that does not divide a layer's input width (llm-compressor fails inside `oneshot`, listing every layer), a
 workload longer than the engine's max_model_len or the model's context (vLLM fails after the server started), a
-max_model_len or tensor_parallel_size vLLM refuses, calibration longer than the context, and a needed but missing chat
-template are bad input, refused by `quantpipe check` and before `quantpipe run` writes anything:
+max_model_len or tensor_parallel_size vLLM refuses, calibration longer than the context, and a needed but missing
+tokenizer or chat template are bad input (rows as the tokenizer makes them: `quantpipe.tokenized`), refused by `quantpipe check` and before `quantpipe run` writes anything:
 
     from quantpipe.fit import problems
     problems(recipe, Path(recipe.base.model))   # -> ["artifacts.0.group_size: 128 does not divide ...", ...]
@@ -327,4 +327,32 @@ def chat_template_problems(recipe, model_dir: Path, needs: list[str]) -> list[st
         f"{needs[0]}: needs the model's chat template, but {tok} {what}"
         + (f" (also needed by {', '.join(needs[1:])})" if needs[1:] else "")
         + "; add one (chat_template.jinja next to the tokenizer), or give plain-text rows and turn chat templating off"
+    ]
+
+
+# --- the tokenizer --------------------------------------------------------------------------------
+
+
+def tokenizer_problems(recipe, model_dir: Path) -> list[str]:
+    """A tokenizer missing where a stage needs one: quantize tokenizes the calibration, evaluate its prompts and texts,
+    vLLM serves with it and the package ships it."""
+    needs = [
+        what
+        for what, needed in (
+            ("calibration (quantize tokenizes it)", recipe.calibration is not None),
+            (
+                "evaluation",
+                bool(recipe.evaluation.lm_eval or recipe.evaluation.validation or recipe.evaluation.fidelity),
+            ),
+            ("benchmark (vLLM serves with it)", recipe.benchmark.enabled),
+            ("package (ships it)", recipe.package.enabled),
+        )
+        if needed
+    ]
+    tok = tokenizer_dir(recipe, model_dir)
+    if not needs or any((tok / f).is_file() for f in TOKENIZER_FILES):
+        return []
+    return [
+        f"base.model: {tok} has no tokenizer files ({', '.join(TOKENIZER_FILES)}), which {'; '.join(needs)} "
+        "need; save the tokenizer next to the model (tokenizer.save_pretrained), or ship it in the last adapter's folder"
     ]

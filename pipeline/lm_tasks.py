@@ -5,7 +5,8 @@ ones the evaluate stage finds. lm-eval's full index parses ~14,000 YAML files (~
 imports datasets and pandas (~2 s), so the include_path is indexed with lm-eval's YAML loader (functions never imported)
 under TaskIndex's rule (`lm_eval/tasks/_index.py`, mirrored for the versions in MIRRORED and tested against it), another
 name is looked for only in the built-in task files whose text names it, and lm-eval's full TaskManager is built only when
-that cannot decide. Unknown names come with the nearest ones:
+that cannot decide. Unknown names come with the nearest ones. A task file of the include_path that runs Python (`!function`,
+`class:`) is refused unless the recipe sets `evaluation.lm_eval.trust_task_code` (lm-eval's built-in tasks are trusted):
 
     from quantpipe.lm_tasks import problems
     problems(recipe)   # -> ["evaluation.lm_eval.tasks: unknown task 'tiny_fact_mc' (did you mean 'tiny_facts_mc'?); ..."]
@@ -197,11 +198,93 @@ def _local_data_files(entry: Entry | None) -> list[str]:
     return [f for f in found if isinstance(f, str) and f.startswith("/") and not any(c in f for c in "*?[")]
 
 
+def local_documents(le) -> int | None:
+    """How many documents the recipe's lm-eval tasks hold, where every task reads local files (JSON lines, one document
+    a line); None where any reads a hub dataset, or lm-eval is not here (not counted before the run loads it)."""
+    try:
+        names = TaskNames(le.include_path)
+    except Exception:  # noqa: BLE001 - no lm-eval, a folder it cannot index: not counted
+        return None
+    total = 0
+    for t in le.tasks:
+        if not names.known(t):
+            return None
+        for leaf in sorted(names.leaves(t) or {t}):
+            e = names.index.get(leaf)
+            if e is None or e.kind in ("GROUP", "TAG"):
+                continue
+            files = _local_data_files(e)
+            if e.kind != "TASK" or not files:
+                return None
+            docs = 0
+            for f in files:
+                try:
+                    with open(f, "rb") as fh:
+                        docs += sum(1 for _ in fh)
+                except OSError:
+                    return None
+            total += min(docs, le.limit) if le.limit else docs
+    return total
+
+
+def task_code(include_path: str | Path) -> list[str]:
+    """`file: what` for each task YAML under include_path that runs Python when lm-eval loads it: a `!function` tag
+    (lm-eval imports the named module from the task's folder) or a `class:` key (a task implemented in Python). Read as
+    YAML nodes, never constructed, so nothing is imported; a file lm-eval could not read is skipped, as lm-eval skips it."""
+    import yaml
+
+    root, found = Path(include_path), []
+    for f in _yaml_files(root):
+        try:
+            docs = list(yaml.compose_all(f.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        what = set()
+        seen: set[int] = set()
+        stack = [d for d in docs if d is not None]
+        for d in stack:
+            if isinstance(d, yaml.MappingNode) and any(k.value == "class" for k, _ in d.value):
+                what.add("class:")
+        while stack:
+            node = stack.pop()
+            if id(node) in seen:  # an alias repeats a node: visit it once
+                continue
+            seen.add(id(node))
+            if node.tag == "!function":
+                what.add("!function")
+            if isinstance(node, yaml.MappingNode):
+                stack += [n for kv in node.value for n in kv]
+            elif isinstance(node, yaml.SequenceNode):
+                stack += node.value
+        if what:
+            found.append(f"{f.relative_to(root)}: {' and '.join(sorted(what))}")
+    return found
+
+
+def code_problems(le) -> list[str]:
+    """include_path tasks that would run Python, refused unless the recipe trusts them (trust_task_code)."""
+    if not le.include_path or le.trust_task_code:
+        return []
+    code = task_code(le.include_path)
+    if not code:
+        return []
+    shown = "; ".join(code[:5]) + (f" (and {len(code) - 5} more files)" if len(code) > 5 else "")
+    return [
+        f"evaluation.lm_eval.include_path: {le.include_path} holds task files that run Python code when lm-eval loads "
+        f"them ({shown}); every evaluate stage would import and run that code: set evaluation.lm_eval.trust_task_code: "
+        "true if you trust the folder, else remove those tasks from it"
+    ]
+
+
 def problems(recipe) -> list[str]:
-    """Unknown task names (with the nearest ones), task data files that do not exist, per-task gates naming no evaluated task."""
+    """Unknown task names (with the nearest ones), task data files that do not exist, per-task gates naming no evaluated
+    task, task code the recipe does not trust."""
     le = recipe.evaluation.lm_eval
     if le is None:
         return []
+    code = code_problems(le)
+    if code:
+        return code
     try:
         names = TaskNames(le.include_path)
     except ImportError:  # a CLI installed without lm-eval: the evaluate stage checks the names itself

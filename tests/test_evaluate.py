@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,52 @@ def test_a_validation_file_without_rows_is_refused(tmp_path):
     (tmp_path / "v.jsonl").write_text("\n")
     with pytest.raises(StageError, match="no rows"):
         load_validation(tmp_path / "v.jsonl", "exact_match")
+
+
+@pytest.mark.parametrize("pattern", [r"(a+)+$", r"^(\w+\s?)*$", r"(?:x*)*y", r"((ab)+)+"])
+def test_a_pattern_with_nested_quantifiers_is_refused_naming_file_line_and_why(tmp_path, pattern):
+    p = tmp_path / "val.jsonl"
+    p.write_text(
+        '{"prompt": "ok", "reference": "ok"}\n' + json.dumps({"prompt": "x", "reference": pattern, "metric": "regex"})
+    )
+    with pytest.raises(StageError) as e:
+        load_validation(p, "exact_match")
+    msg = str(e.value)
+    assert f"{p}:2: " in msg and "exponential time" in msg and "drop the outer repeat" in msg, msg
+
+
+@pytest.mark.parametrize("pattern", [r"(\d+,)+", r"[a-z]+(\.[a-z]+)*", r"(a|aa)+$", r"\bParis\b", r"(ab)+"])
+def test_repeats_that_cannot_split_a_run_many_ways_are_accepted(tmp_path, pattern):
+    p = tmp_path / "val.jsonl"
+    p.write_text(json.dumps({"prompt": "x", "reference": pattern, "metric": "regex"}) + "\n")
+    [row] = load_validation(p, "exact_match")
+    assert row["reference"] == pattern
+
+
+def test_a_pattern_that_backtracks_past_the_limit_fails_its_row_and_is_named(tmp_path):
+    """`(a|aa)+$` passes the static check (no nested quantifier) but backtracks exponentially on a run of a's that does
+    not end the text: the row scores 0 within the limit, is named file:line, and the other rows are scored as usual."""
+    from types import SimpleNamespace
+
+    from quantpipe.stages.evaluate.compare import Scores
+    from quantpipe.stages.evaluate.validation import REGEX_TIMEOUT_S, score_validation
+
+    p = tmp_path / "val.jsonl"
+    p.write_text(
+        json.dumps({"prompt": "x", "reference": "(a|aa)+$", "metric": "regex"})
+        + "\n"
+        + json.dumps({"prompt": "y", "reference": "Paris"})
+        + "\n"
+    )
+    rows = load_validation(p, "exact_match")
+    t0 = time.monotonic()
+    result = score_validation(
+        rows, ["a" * 60 + "!", "Paris"], SimpleNamespace(metric="exact_match"), tmp_path, Scores()
+    )
+    assert time.monotonic() - t0 < REGEX_TIMEOUT_S + 5
+    assert result["timed_out"] == [f"{p}:1"] and result["score"] == 0.5, result
+    written = [json.loads(x) for x in (tmp_path / "validation_outputs.jsonl").read_text().splitlines()]
+    assert written[0]["timed_out"] is True and written[0]["score"] == 0.0 and "timed_out" not in written[1]
 
 
 # --- paired comparison ------------------------------------------------------------------------

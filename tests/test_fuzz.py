@@ -51,6 +51,7 @@ from quantpipe.recipe import (
     W8A8Int8,
     Workload,
 )
+from quantpipe.stages.evaluate.validation import nested_quantifier
 
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = settings(
@@ -107,6 +108,7 @@ def world(tmp_path_factory) -> Path:
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
     safetensors(model / "model.safetensors", {"model.embed_tokens.weight": [1024, 256]})
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1 << 40}))
     _adapter(w / "adapter", str(model), {**_lora(0, "q_proj", 256, 256), **_lora(3, "down_proj", 768, 256)})
     other = w / "other-model"
     other.mkdir()
@@ -592,6 +594,7 @@ def _valid_val_row(line: str) -> bool:
             re.compile(ref)
         except re.error:
             return False
+        return nested_quantifier(ref) is None
     return True
 
 
@@ -898,6 +901,7 @@ def test_group_sizes_that_do_not_divide_the_layers_are_refused(world, heads, int
         )
     )
     safetensors(m / "model.safetensors", {"model.embed_tokens.weight": [8, h]})
+    (m / "tokenizer_config.json").write_text("{}")
     data = good(world, d)
     data["base"]["model"], data["adapters"] = str(m), []
     data["artifacts"] = [{"name": "q", "method": method, "group_size": g}]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers.fakes import safetensors
 
 from quantpipe.envs import EnvError, python_for
 from quantpipe.recipe import RecipeError, parse
@@ -46,7 +47,8 @@ needs_legacy = pytest.mark.skipif(
 def recipe_dict(tmp_path, *artifacts) -> dict:
     (tmp_path / "m").mkdir(exist_ok=True)
     (tmp_path / "m" / "config.json").write_text("{}")
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"\1" * 16)
+    safetensors(tmp_path / "m" / "model.safetensors", {"w": [1]})
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
     (tmp_path / "cal.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "val.jsonl").write_text('{"prompt": "p", "reference": "r"}\n')
     return {

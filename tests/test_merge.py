@@ -73,6 +73,26 @@ def test_base_without_config_is_refused(tmp_path):
         run(stage_input("merge", make_recipe(tmp_path, tmp_path), None, tmp_path), tmp_path, out)
 
 
+@pytest.mark.parametrize("adapters", [False, True])
+def test_a_link_leaving_an_input_folder_is_refused_before_anything_reaches_the_cache(tmp_path, adapters):
+    """With adapters (a copy of the template) or without (the base passed through as links), the stage refuses."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    lora = tmp_path / "lora"
+    lora.mkdir()
+    (lora / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    ((lora if adapters else base) / "chat_template.jinja").symlink_to(secret)
+    out = tmp_path / "o"
+    out.mkdir()
+    recipe = make_recipe(tmp_path, base, [(lora, 1.0)] if adapters else [])
+    with pytest.raises(StageError, match=r"(adapters\.0\.path|base\.model): .* holds links to files outside it"):
+        run(stage_input("merge", recipe, None, base), base, out)
+    assert not any(out.iterdir())
+
+
 # --- slow: the tiny models -------------------------------------------------------------------
 
 

@@ -326,6 +326,23 @@ def test_license_from_recipe_overrides_base(model, tmp_path):
 
 
 @pytest.mark.slow
+def test_hostile_notes_and_license_render_as_text_in_the_model_card(model, tmp_path):
+    """The recipe's notes and package.license, each holding HTML, a javascript: link, a tracking image, a table pipe and
+    a backtick: the card (packages/<artifact>/README.md) shows them as text, and its tables keep their columns."""
+    from markdown_it import MarkdownIt
+
+    hostile = "<script>alert(1)</script> [click](javascript:alert(1)) ![t](http://tracker.example/p.png) a|b `x"
+    out, _ = _package(model, tmp_path, "h" * 32, notes=hostile, license=hostile)
+    text = (out / "README.md").read_text()
+    body = text.split("\n---\n", 1)[1]  # after the front matter (YAML, which quotes the license)
+    html = MarkdownIt("commonmark").enable("table").render(body)
+    assert "<script" not in html and 'href="javascript' not in html and 'src="http://tracker' not in html, html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and html.count("&lt;script&gt;") == 2
+    assert "<td>a|b" not in html  # the pipe did not end the License cell early
+    assert "| License | " in body and body.split("| License | ")[1].split("\n")[0].endswith("(from the recipe) |")
+
+
+@pytest.mark.slow
 def test_verify_names_a_flipped_byte(pkg, tmp_path):
     from click.testing import CliRunner
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import safetensors
 
 from quantpipe import preflight
 from quantpipe.cli import main
@@ -234,7 +235,8 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, m
         "vocab_size": 256000,
     }
     m = model_dir(tmp_path, big)
-    (m / "model.safetensors").write_bytes(b"\0" * 8)  # unreadable header: the count comes from the config
+    safetensors(m / "model.safetensors", {})  # a header without tensors: the count comes from the config
+    (m / "tokenizer_config.json").write_text("{}")
     (tmp_path / "cal.jsonl").write_text('{"text": "hello"}\n')
     r = {
         "name": "big",
@@ -260,6 +262,69 @@ def test_a_run_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, m
     assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
     res = CliRunner().invoke(main, ["run", "--dry-run", str(p)])  # the plan shows it, and runs nothing
     assert res.exit_code == 0 and "would refuse" in res.output and "quantize:gptq" in res.output
+
+
+# --- deadlines ----------------------------------------------------------------------------------------
+
+LLAMA_8B = {
+    **LLAMA,
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+}
+
+
+def test_every_stage_has_a_deadline_of_ten_estimates_and_at_least_30_minutes(tmp_path):
+    """A small model: merge, package and data-free quantization get the 30-minute floor. Llama-3-8B's shape on this CPU: GPTQ over 64x256 calibration
+    tokens is estimated at hours, and its deadline is ten times that; on a GPU it is far shorter, still at least 30 min."""
+    from quantpipe import deadline
+
+    r = recipe(tmp_path, model_dir(tmp_path, LLAMA))
+    steps = build_steps(r, r.base.model)
+    est = deadline.estimate(r, steps, r.base.model, gpu=None)
+    assert set(est) == {s.id for s in steps}
+    small = deadline.deadlines(est, steps, None)
+    assert all(small[k] == max(30 * 60, 10 * est[k]["time_s"]) for k in small)
+    assert small["merge"] == small["package:fp8"] == small["quantize:fp8"] == 30 * 60
+    assert small["benchmark:fp8"] > 30 * 60  # every vLLM server start is counted at 300 s
+
+    big = tmp_path / "big"
+    big.mkdir()
+    r = recipe(big, model_dir(big, LLAMA_8B))
+    steps = build_steps(r, r.base.model)
+    cpu, gpu = (
+        deadline.estimate(r, steps, r.base.model, gpu=None),
+        deadline.estimate(r, steps, r.base.model, gpu={"total_bytes": 80 * GIB}),
+    )
+    cpu_deadlines = deadline.deadlines(cpu, steps, None)
+    assert cpu["quantize:gptq"]["time_s"] > 3600 and cpu["quantize:gptq"]["terms"]["calibration passes"] > 0
+    assert cpu_deadlines["quantize:gptq"] == 10 * cpu["quantize:gptq"]["time_s"]
+    assert cpu["quantize:fp8"]["terms"]["calibration passes"] == 0  # FP8_DYNAMIC reads no calibration data
+    assert 30 * 60 <= deadline.deadlines(gpu, steps, None)["quantize:gptq"] < cpu_deadlines["quantize:gptq"]
+    assert set(deadline.deadlines(cpu, steps, 0).values()) == {None}  # --stage-timeout 0: no deadline
+    assert set(deadline.deadlines(cpu, steps, 120).values()) == {120}
+
+
+def test_dry_run_prints_each_stages_deadline_and_stage_timeout_overrides_it(tmp_path, monkeypatch):
+    m = model_dir(tmp_path, LLAMA)
+    safetensors(m / "model.safetensors", {})
+    (m / "tokenizer_config.json").write_text("{}")
+    r = recipe(tmp_path, m)
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(r.model_dump(mode="json", exclude_defaults=True)))
+    monkeypatch.setenv("QUANTPIPE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "200")
+    for args, shown in (([], "30 min"), (["--stage-timeout", "45"], "45 min"), (["--stage-timeout", "0"], "none")):
+        res = CliRunner().invoke(main, ["run", "--dry-run", *args, str(p)])
+        assert res.exit_code == 0, res.output
+        lines = [ln for ln in res.output.splitlines() if "quantize:gptq" in ln or "package:fp8" in ln]
+        assert len(lines) == 2 and all(ln.rstrip(" │|").endswith(shown) for ln in lines), res.output
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 def test_the_demo_fits_a_24_gib_machine(tiny):

@@ -35,6 +35,7 @@ import psutil
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import safetensors
 from helpers.ray_cluster import MARK, marked, ray_cluster
 
 from quantpipe.cache import StageCache
@@ -51,7 +52,8 @@ def test_the_local_executor_never_imports_ray(tmp_path):
     """A dry run and the runner, matrix and CLI modules leave Ray unimported unless --executor ray asks for it."""
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(tmp_path / "m" / "model.safetensors", {"w": [1]})
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
     (tmp_path / "r.yaml").write_text(
         yaml.safe_dump(
             {"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]}
@@ -76,7 +78,8 @@ def test_the_local_executor_never_imports_ray(tmp_path):
 def test_ray_options_are_refused_without_ray_and_an_unreachable_cluster_in_one_sentence(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(tmp_path / "m" / "model.safetensors", {"w": [1]})
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
     r = tmp_path / "r.yaml"
     r.write_text(
         yaml.safe_dump(
@@ -98,7 +101,8 @@ def test_ray_options_are_refused_without_ray_and_an_unreachable_cluster_in_one_s
 def test_two_recipes_with_one_output_dir_are_refused_before_anything_is_written(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (tmp_path / "m" / "model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(tmp_path / "m" / "model.safetensors", {"w": [1]})
+    (tmp_path / "m" / "tokenizer_config.json").write_text("{}")
     for n in ("a", "b"):
         (tmp_path / f"{n}.yaml").write_text(
             yaml.safe_dump(

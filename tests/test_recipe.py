@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import safetensors
 
 from quantpipe.cli import main
 from quantpipe.recipe import Recipe, RecipeError, load, parse
@@ -21,11 +22,12 @@ def fake(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(model / "model.safetensors", {"w": [1]})
+    (model / "tokenizer_config.json").write_text("{}")
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
-    (adapter / "adapter_model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(adapter / "adapter_model.safetensors", {"w": [1]})
     cal = tmp_path / "cal.jsonl"
     cal.write_text('{"text": "hello"}\n')
     return tmp_path

@@ -590,6 +590,218 @@ def test_output_dir_without_write_permission_is_refused(world):
     refused(world, "check", d, "output_dir", "no permission to write in")
 
 
+# --- links that leave an input folder ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("folder,field", [("model", "base.model"), ("adapter", "adapters.0.path")])
+def test_a_link_leaving_the_model_or_adapter_folder_is_refused(world, command, folder, field):
+    secret = world / "secret.txt"
+    secret.write_text("the host's private key\n")
+    (world / folder / "chat_template.jinja").symlink_to(secret)
+    refused(world, command, good(), field, "chat_template.jinja -> " + str(secret), "replace each link with a copy")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_linked_folder_leaving_the_model_is_refused(world, command):
+    (world / "elsewhere").mkdir()
+    (world / "model" / "extra").symlink_to(world / "elsewhere")
+    refused(world, command, good(), "base.model", "extra -> " + str(world / "elsewhere"))
+
+
+def test_links_inside_the_folder_and_the_hub_caches_own_blob_links_pass(world):
+    (world / "model" / "templates").mkdir()
+    (world / "model" / "templates" / "chat.jinja").write_text("{{ messages }}")
+    (world / "model" / "chat_template.jinja").symlink_to(Path("templates") / "chat.jinja")
+    res, before, after = invoke(world, "check", good())
+    assert res.exit_code == 0, res.output
+    # a snapshot of the hub cache: every file a link into the repository's blobs/
+    repo = world / "hub" / "models--org--tiny"
+    snap, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted((world / "model").iterdir()):
+        if f.is_file() and not f.is_symlink():
+            (blobs / f.name).write_bytes(f.read_bytes())
+            (snap / f.name).symlink_to(Path("..") / ".." / "blobs" / f.name)
+    d = good()
+    d["base"]["model"] = str(snap)
+    res, before, after = invoke(world, "check", d)
+    assert res.exit_code == 0, res.output
+
+
+# --- task code needs consent ------------------------------------------------------------------------
+
+CODE_TASKS = {
+    "!function": "process_docs: !function steal.process_docs\n",
+    "class:": "class: !function steal.StealTask\n",
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("kind", sorted(CODE_TASKS))
+def test_task_code_in_the_include_path_needs_consent_and_never_runs_at_check(world, command, kind):
+    marker = world / "ran.txt"
+    (world / "tasks" / "steal.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\ndef process_docs(d):\n    return d\nclass StealTask:\n    pass\n"
+    )
+    task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl") + CODE_TASKS[kind]
+    (world / "tasks" / "refuse.yaml").write_text(task)
+    refused(world, command, good(), "evaluation.lm_eval.include_path", "(refuse.yaml: ", kind, "trust_task_code: true")
+    assert not marker.exists()
+    d = good()
+    d["evaluation"]["lm_eval"]["trust_task_code"] = True
+    res, before, after = invoke(world, "check", d)
+    assert res.exit_code == 0 and after == before and not marker.exists(), res.output
+
+
+def test_the_evaluate_stage_refuses_untrusted_task_code_before_lm_eval_loads_it(world):
+    from quantpipe.recipe import parse
+    from quantpipe.stages import StageError
+    from quantpipe.stages.evaluate.compare import Scores
+    from quantpipe.stages.evaluate.harness import run_lm_eval
+
+    marker = world / "ran.txt"
+    (world / "tasks" / "steal.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef f(d):\n    return d\n")
+    task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl")
+    (world / "tasks" / "refuse.yaml").write_text(task + "process_docs: !function steal.f\n")
+    le = parse(yaml.safe_dump(good()), world, check_files=False).evaluation.lm_eval
+    with pytest.raises(StageError, match="trust_task_code: true"):
+        run_lm_eval(le, {}, world, {"device": "cpu"}, Scores())
+    assert not marker.exists()
+
+
+def test_a_function_tag_in_a_comment_or_string_is_not_code(world):
+    task = TASK_YAML.format(name="refuse_task", data=world / "tasks" / "refuse.jsonl")
+    (world / "tasks" / "refuse.yaml").write_text(task + "# process_docs: !function utils.f\ndescription: '!function'\n")
+    res, before, after = invoke(world, "check", good())
+    assert res.exit_code == 0 and after == before, res.output
+
+
+# --- damaged and inconsistent files ------------------------------------------------------------------
+
+
+def truncate(path: Path, n: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:-n])
+
+
+def adapter_config(world: Path, **over) -> None:
+    p = world / "adapter" / "adapter_config.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), **over}))
+
+
+DAMAGED = {
+    "a truncated model shard": (
+        lambda w: truncate(w / "model" / "model.safetensors", 100),
+        ["base.model", "model.safetensors is", "but its header says", "truncated", "download or copy it again"],
+    ),
+    "a truncated adapter": (
+        lambda w: truncate(w / "adapter" / "adapter_model.safetensors", 1),
+        ["adapters.0.path", "adapter_model.safetensors is", "truncated"],
+    ),
+    "a garbled model header": (
+        lambda w: (w / "model" / "model.safetensors").write_bytes(
+            b"\x10" + b"\0" * 7 + b"not json at all!" + b"\0" * 64
+        ),
+        ["base.model", "is not a readable safetensors file"],
+    ),
+    "an adapter whose rank is not its config's": (
+        lambda w: adapter_config(w, r=4),
+        ["adapters.0.path", "has rank 8 in", "r: 4", "from different adapters"],
+    ),
+    "an adapter with weights its config does not target": (
+        lambda w: adapter_config(w, target_modules=["v_proj", "k_proj"]),
+        ["adapters.0.path", "self_attn.q_proj", "does not target", "['v_proj', 'k_proj']"],
+    ),
+    "an adapter that is not a LoRA": (
+        lambda w: adapter_config(w, peft_type="PREFIX_TUNING"),
+        ["adapters.0.path", "is a PREFIX_TUNING adapter", "LoRA adapters only"],
+    ),
+    "a base without tokenizer files": (
+        lambda w: (w / "model" / "tokenizer_config.json").unlink(),
+        ["base.model", "has no tokenizer files", "calibration (quantize tokenizes it)", "package (ships it)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_damaged_or_inconsistent_files_are_refused_before_any_stage(world, case, command):
+    damage, needles = DAMAGED[case]
+    damage(world)
+    refused(world, command, good(), *needles)
+
+
+def test_an_adapter_with_its_own_ranks_and_full_module_names_passes(world):
+    adapter_config(world, r=4, rank_pattern={"q_proj": 8}, target_modules=["self_attn.q_proj"])
+    res, before, after = invoke(world, "check", good())
+    assert res.exit_code == 0 and after == before, res.output
+
+
+def tiny_recipe(tiny, base: Path, rows: list[dict], tmp: Path) -> dict:
+    (tmp / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "name": "tiny-check",
+        "output_dir": "out",
+        "base": {"model": str(base)},
+        "artifacts": [{"name": "fp8", "method": "fp8"}],
+        "evaluation": {"validation": {"path": "val.jsonl", "max_new_tokens": 16}},
+        "benchmark": {"enabled": False},
+    }
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_validation_prompt_beyond_the_context_is_refused_with_its_length(tiny, tmp_path, command):
+    """The tiny Llama's context is 2048 positions: a 2100-word prompt is refused (file:line, its length, the context);
+    one of 2000 tokens fits without its 16 new tokens only when shorter."""
+    rows = [{"prompt": "What is 3 plus 1?", "reference": "4"}, {"prompt": "one " * 2100, "reference": "x"}]
+    out = refused(tmp_path, command, tiny_recipe(tiny, tiny.llama, rows, tmp_path), "val.jsonl:2: the prompt is")
+    n = int(re.search(r"the prompt is (\d+) tokens", out).group(1))
+    assert n > 2048 and f"needs {n + 16} positions" in out and "(2048: max_position_embeddings" in out, out
+    assert "val.jsonl:1" not in out
+
+
+def test_a_chat_template_that_rejects_a_row_is_refused_at_check(tiny, tmp_path):
+    """As a validation row and as a calibration row: named file:line with the template's own message, before any stage."""
+    import shutil
+
+    base = tmp_path / "llama"
+    shutil.copytree(tiny.llama, base)
+    (base / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('only user turns') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}], "reference": "x"},
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "reference": "x"},
+    ]
+    out = refused(tmp_path, "check", tiny_recipe(tiny, base, rows, tmp_path), "val.jsonl:2: the chat template of")
+    assert "only user turns" in out and "val.jsonl:1" not in out, out
+    # the same rows as calibration data: the quantize stage would fail on them
+    (tmp_path / "cal.jsonl").write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
+    d = tiny_recipe(tiny, base, rows[:1], tmp_path)
+    d["calibration"] = {"sources": [{"path": "cal.jsonl"}], "num_samples": 2, "max_seq_len": 64}
+    out = refused(tmp_path, "check", d, "cal.jsonl:2: the model's chat template failed on this row")
+    assert "only user turns" in out, out
+
+
+def test_the_documents_of_local_tasks_are_counted_and_hub_tasks_are_not(world):
+    """What the evaluate stage's time estimate (its deadline) counts: one JSON line per document of a local task."""
+    from quantpipe.lm_tasks import local_documents
+    from quantpipe.recipe import parse
+
+    d = good()
+    (world / "tasks" / "refuse.jsonl").write_text(
+        "".join(json.dumps({"q": f"{i}+2=", "a": str(i + 2)}) + "\n" for i in range(2))
+    )
+    assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) == 2
+    d["evaluation"]["lm_eval"]["limit"] = 1
+    assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) == 1
+    d["evaluation"]["lm_eval"]["tasks"] = ["refuse_task", "arc_easy"]
+    assert local_documents(parse(yaml.safe_dump(d), world).evaluation.lm_eval) is None
+
+
 # --- lm-eval's index, the light way ---------------------------------------------------------------
 
 

@@ -422,6 +422,71 @@ def test_report_without_benchmark_or_evaluation(tmp_path):
     assert all(p.exists() for p in paths)
 
 
+def test_the_report_names_validation_rows_that_timed_out(tmp_path):
+    def slow_row(r):
+        r["stages"]["evaluate:fp8"]["metrics"]["validation"]["timed_out"] = ["data/val.jsonl:7"]
+
+    write_report(make_record(tweak=slow_row), tmp_path, tmp_path)
+    for name in ("report.md", "report.html"):
+        text = (tmp_path / name).read_text()
+        assert "ran past the time limit: data/val.jsonl:7" in text, name
+
+
+def test_the_report_records_whether_task_code_was_trusted(tmp_path):
+    def trusted(r):
+        r["recipe"].setdefault("evaluation", {})["lm_eval"] = {"tasks": ["tiny_qa"], "trust_task_code": True}
+
+    write_report(make_record(), tmp_path / "a", tmp_path / "a")
+    write_report(make_record(tweak=trusted), tmp_path / "b", tmp_path / "b")
+    assert "trust_task_code false" in (tmp_path / "a" / "report.md").read_text()
+    assert "trust_task_code true" in (tmp_path / "b" / "report.md").read_text()
+    assert "trust_task_code <code>true</code>" in (tmp_path / "b" / "report.html").read_text()
+
+
+HOSTILE = "<script>alert(1)</script> [click](javascript:alert(1)) ![t](http://tracker.example/p.png) a|b `x"
+
+
+def rendered_markdown(text: str) -> str:
+    """What a Markdown viewer shows: CommonMark with GFM tables (markdown-it-py, which rich brings)."""
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark").enable("table").render(text)
+
+
+def assert_inert(html: str) -> None:
+    """No markup came from the hostile string: no script, no link or image it made, its text shown as text."""
+    assert "<script" not in html and "javascript:" not in html.replace("[click](javascript:", ""), html
+    assert 'href="javascript' not in html and 'src="http://tracker' not in html
+    assert (
+        "&lt;script&gt;alert(1)&lt;/script&gt; [click](javascript:alert(1)) ![t](http://tracker.example/p.png)" in html
+    )
+
+
+def test_hostile_recipe_strings_render_as_text_in_report_md(tmp_path):
+    """The recipe's notes and name, a validation file's name, a task's name and a gate failure, each hostile: report.md
+    shows each as text (no HTML, link or image), and its tables keep their columns."""
+
+    def hostile(r):
+        r["recipe"]["notes"] = HOSTILE
+        r["recipe_name"] = HOSTILE
+        ev = r["stages"]["evaluate:fp8"]["metrics"]
+        ev["validation"]["timed_out"] = [f"data/{HOSTILE}.jsonl:3"]
+        ev["comparison"][0]["task"] = HOSTILE
+        r["artifacts"]["w8a8"]["gate_failures"] = [HOSTILE]
+
+    write_report(make_record(tweak=hostile), tmp_path, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    html = rendered_markdown(md)
+    assert_inert(html)
+    assert html.count("&lt;script&gt;") >= 5, html
+    for block in re.findall(r"((?:^\|.*\|\n)+)", md, re.M):
+        rows = block.strip().splitlines()
+        n = rows[0].replace("\\|", "").count(" | ")
+        assert all(r.replace("\\|", "").count(" | ") == n or set(r) <= set("|-: ") for r in rows), block
+    page = (tmp_path / "report.html").read_text()
+    assert "<script>alert" not in page and "&lt;script&gt;alert(1)" in page
+
+
 def test_a_run_narrowed_by_artifacts_reports_and_compares_only_what_it_built(tmp_path):
     """`quantpipe run --artifacts fp8` records fp8 alone: the report's rows and decision name no other artifact of the
     recipe, and compared with a run of all of them the others are absent from it, not regressions."""
@@ -446,7 +511,7 @@ def test_recipe_notes_head_the_report(tmp_path):
     record = make_record(tweak=lambda r: r["recipe"].update(notes="Random weights:\n<b>accuracy</b> is noise."))
     write_report(record, tmp_path, tmp_path)
     assert (
-        "> **Note (from the recipe):** Random weights: <b>accuracy</b> is noise."
+        "> **Note (from the recipe):** Random weights: &lt;b&gt;accuracy&lt;/b&gt; is noise."
         in (tmp_path / "report.md").read_text()
     )
     html = (tmp_path / "report.html").read_text()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
+from helpers.fakes import safetensors
 
 from quantpipe.cache import StageCache
 from quantpipe.cli import main
@@ -46,7 +47,8 @@ def fake(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    safetensors(model / "model.safetensors", {"w": [1]})
+    (model / "tokenizer_config.json").write_text("{}")
     (tmp_path / "cal.jsonl").write_text('{"text": "hello"}\n')
     return tmp_path
 
@@ -304,6 +306,40 @@ def test_secrets_are_redacted_from_stage_logs_run_log_and_run_json(tmp_path, mon
     _RedactFilter(secrets()).filter(rec)
     assert PLANTED["HF_TOKEN"] not in rec.getMessage()
     assert redact("no secret here") == "no secret here"
+
+
+def test_no_byte_from_outside_an_input_folder_reaches_the_cache_or_a_package(tiny, tmp_path):
+    """A copy of the tiny Llama whose chat template is a link to a file elsewhere on the host: `quantpipe run` exits 2
+    naming the link, and the file's content is in no file under the output or cache directory (none is created)."""
+    import shutil
+
+    secret = tmp_path / "host" / "id_ed25519"
+    secret.parent.mkdir()
+    secret.write_text("PRIVATE-KEY-7f3a9c-not-for-packages\n")
+    model = tmp_path / "llama"
+    shutil.copytree(tiny.llama, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    (model / "chat_template.jinja").symlink_to(secret)
+    recipe = {
+        "name": "links",
+        "output_dir": str(tmp_path / "out"),
+        "cache_dir": str(tmp_path / "cache"),
+        "base": {"model": str(model), "dtype": "bfloat16"},
+        "adapters": [{"path": str(tiny.llama_lora)}],
+        "artifacts": [{"name": "fp8", "method": "fp8", "mode": "dynamic"}],
+        "benchmark": {"enabled": False},
+    }
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(recipe))
+    r = subprocess.run([sys.executable, "-m", "quantpipe", "run", str(p)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2, r.stderr[-4000:]
+    assert "base.model" in r.stderr and f"chat_template.jinja -> {secret}" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
+    for root, _, files in os.walk(tmp_path):
+        for f in files:
+            q = Path(root) / f
+            if q != secret and not q.is_symlink():
+                assert b"PRIVATE-KEY-7f3a9c" not in q.read_bytes(), f"{q} holds the linked file's content"
 
 
 @pytest.mark.slow

@@ -27,7 +27,35 @@ def human_bytes(n) -> str:
 
 
 def md_cell(v) -> str:
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    """A string as one line of Markdown text that renders as itself, in a table cell or a paragraph: HTML as entities
+    (a `<script>` in a recipe's notes is shown, never run), no link or image it did not mean, no code span it did not
+    open, no cell edge. Brackets alone stay as they are (intervals read `[0.1, 0.2]`)."""
+    s = " ".join(str(v).splitlines())
+    s = s.replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    for raw in ("|", "`", "![", "](", "]["):
+        s = s.replace(raw, "\\" + raw)
+    return s
+
+
+def md_code(v) -> str:
+    """A string as a one-line Markdown code span: shown verbatim (never HTML), fenced by more backticks than it holds."""
+    s = " ".join(str(v).splitlines()).replace("|", "\\|")  # GFM ends a table cell at `|` even inside code
+    ticks = "`" * (_longest_backticks(s) + 1)
+    pad = " " if s.startswith("`") or s.endswith("`") else ""
+    return f"{ticks}{pad}{s}{pad}{ticks}"
+
+
+def md_fence(text) -> str:
+    """The backtick fence of a code block that holds `text`: longer than any run of backticks inside it."""
+    return "`" * max(3, _longest_backticks(str(text)) + 1)
+
+
+def _longest_backticks(s: str) -> int:
+    run = best = 0
+    for ch in s:
+        run = run + 1 if ch == "`" else 0
+        best = max(best, run)
+    return best
 
 
 def fidelity_text(fid: dict) -> str:

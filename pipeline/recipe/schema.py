@@ -79,6 +79,10 @@ class Calibration(Strict):
 class LmEval(Strict):
     tasks: list[str] = Field(min_length=1)
     include_path: str | None = Field(None, description="Folder of local task YAMLs (offline tasks).")
+    trust_task_code: bool = Field(
+        False,
+        description="Let include_path's task YAMLs run Python (`!function`, `class:`). Off unless you trust the folder.",
+    )
     num_fewshot: int | None = Field(None, ge=0, le=64)
     limit: int | None = Field(None, ge=1, description="Examples per task (None: all).")
     batch_size: int = Field(8, ge=1)

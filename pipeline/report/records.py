@@ -13,7 +13,22 @@ from pathlib import Path
 
 from pydantic import Field
 
-from ..common.lenient import Flag, Int, Lenient, Num, Obj, Pair, Part, Parts, PartsByName, Seq, Text, number, pair
+from ..common.lenient import (
+    Flag,
+    Int,
+    Lenient,
+    Num,
+    Obj,
+    Pair,
+    Part,
+    Parts,
+    PartsByName,
+    Seq,
+    Text,
+    Texts,
+    number,
+    pair,
+)
 from ..run.record import RunRecord
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -103,6 +118,7 @@ class Validation(Lenient):
     score: Num = None
     metric: Text = None
     n: Int = None
+    timed_out: Texts = Field(default_factory=list)  # file:line of rows whose pattern ran past the limit (scored 0)
 
 
 class EvaluateFigures(StageFigures):

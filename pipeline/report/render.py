@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from ..common.fmt import fmt, human_bytes, md_cell
+from ..common.fmt import fmt, human_bytes, md_cell, md_code
 from ..run.record import RunRecord
 from .decide import sig
 from .plots import make_plots
@@ -32,6 +32,7 @@ def _env(autoescape: bool):
     env.filters["fmt"] = fmt
     env.filters["bytes"] = human_bytes
     env.filters["md"] = md_cell
+    env.filters["mdcode"] = md_code
     env.filters["sig"] = sig
     # `name` in a sentence -> <code>name</code>, after escaping everything else
     env.filters["code"] = lambda v: markupsafe.Markup(

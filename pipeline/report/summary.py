@@ -296,7 +296,8 @@ def provenance(record: RunRecord) -> dict:
         if isinstance(libs, dict)
     }
     serve = versions.get("serve", {})
-    base = RecipeFacts.of(record).base
+    facts = RecipeFacts.of(record)
+    base, le = facts.base, facts.evaluation.get("lm_eval")
     return {
         "hardware": hw.model_dump(exclude_unset=True),
         "hardware_text": ", ".join(
@@ -316,7 +317,8 @@ def provenance(record: RunRecord) -> dict:
         "git_commit": record.quantpipe.git_commit,
         "command": record.command or f"quantpipe run {record.recipe_path or '<recipe>'}",
         "cache_dir": record.cache_dir,
-        # the recipe's safety switches: model-shipped code and pickle weights (off unless the recipe turns them on)
+        # the recipe's safety switches: model-shipped code, pickle weights, lm-eval task code (off unless turned on)
         "trust_remote_code": bool(base.get("trust_remote_code")),
         "allow_pickle": bool(base.get("allow_pickle")),
+        "trust_task_code": bool(le.get("trust_task_code")) if isinstance(le, dict) else False,
     }

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..common import measure_gate
 from ..common.vllm_support import GPU_BYTES_ENV
+from ..deadline import past_deadline
 from ..envs import python_for
 from ..stages.contract import Upstream
 from .plan import Step
@@ -184,7 +185,7 @@ class Builder:
             return self.r.procs.spawn(
                 [str(python_for(s.env)), str(WORKER), str(works[-1] / "spec.json")],
                 log_path,
-                self.r.stage_timeout_s,
+                self.r.deadline_s(s.id),
                 env,
                 paused=waiting,
             )
@@ -197,10 +198,9 @@ class Builder:
         self, s: Step, rc: int | None, log_path: Path, error: str | None = None, fault: bool = False
     ) -> StageFailed:
         last = tail(log_path)
-        if rc is None:  # ran past --stage-timeout and was stopped
+        if rc is None:  # ran past its deadline and was stopped
             return StageFailed(
-                f"{s.id} ran longer than --stage-timeout ({self.r.stage_timeout_s / 60:g} min) and was stopped with its "
-                f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
+                past_deadline(s.id, self.r.deadline_s(s.id), self.r.stage_timeout_s is not None, log_path),
                 log_path,
                 last,
             )

@@ -216,6 +216,7 @@ class StepDispatch:
                 rec.preflight = {
                     "estimate": preflight.record(self.estimates, s.id),
                     "actual": preflight.actual_peak(rec.metrics),
+                    "deadline_s": self.deadline_s(s.id),
                 }
                 record.stages[s.id] = rec
                 if s.kind == "benchmark" and rec.status == "ok" and rec.cache != "hit":  # sizes the next servers

@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+from ..deadline import past_deadline
 from ..envs import lock_hash, source_hash
 from .build import StageFailed
 from .process import exit_reason, tail
@@ -178,7 +179,7 @@ class RayStages:
             "log": str(live / "stage.log"),
             "attempts": str(live / "attempts.jsonl"),
             "cancel": str(live / "cancel"),
-            "timeout_s": r.stage_timeout_s,
+            "timeout_s": r.deadline_s(s.id),
             "run_env": {k: os.environ[k] for k in RUN_ENV if k in os.environ},
             "expect": {"env": lock_hash(s.env), "code": source_hash(s.kind)},
         }
@@ -252,8 +253,7 @@ class RayStages:
                 raise StageFailed(out["summary"], log_path, last)
             if out.get("rc") is None:
                 raise StageFailed(
-                    f"{s.id} ran longer than --stage-timeout ({r.stage_timeout_s / 60:g} min) and was stopped with its "
-                    f"processes; nothing of it was kept. Raise --stage-timeout if it needs longer (its log: {log_path})",
+                    past_deadline(s.id, r.deadline_s(s.id), r.stage_timeout_s is not None, log_path),
                     log_path,
                     last,
                 )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .. import __version__, preflight
+from .. import __version__, deadline, preflight
 from ..cache import ContentHasher, StageCache, hash_json
 from ..common import measure_gate
 from ..envs import LEGACY_ENVS, git_commit, hardware, python_for, versions
@@ -59,7 +59,8 @@ class Runner(StepDispatch):
         self.recipe = recipe
         self.recipe_path = Path(recipe_path)
         self.console = console
-        self.stage_timeout_s = stage_timeout_s
+        self.stage_timeout_s = stage_timeout_s  # --stage-timeout: None gives each stage its default deadline, 0 none
+        self.deadlines_s: dict[str, float | None] = {}  # stage id -> seconds it may run (quantpipe.deadline)
         self.cache = StageCache(cache_root(recipe))
         self.hasher = ContentHasher(cache_root(recipe) / "hashes.json")
         self.out_dir = Path(recipe.output_dir)
@@ -107,10 +108,22 @@ class Runner(StepDispatch):
             python_for(env)  # an optional environment that is missing stops the plan, naming the command that builds it
         return base_dir, steps
 
+    def deadline_s(self, sid: str) -> float | None:
+        """The seconds stage `sid` may run before it is stopped (None: no deadline)."""
+        if sid in self.deadlines_s:
+            return self.deadlines_s[sid]
+        return self.stage_timeout_s or (None if self.stage_timeout_s == 0 else deadline.UNKNOWN_DEADLINE_S)
+
+    def _set_deadlines(self, steps, base_dir, gpu) -> None:
+        self.deadlines_s = deadline.deadlines(
+            deadline.estimate(self.recipe, steps, base_dir, gpu), steps, self.stage_timeout_s
+        )
+
     def dry_run(self, force: set[str], kinds=None, artifacts=None) -> list[dict]:
         base_dir, steps = self.plan(dry_run=True, kinds=kinds, artifacts=artifacts)
         have = preflight.machine(self.cache.root, self.out_dir, self.gpu_memory_bytes)
         est = preflight.estimate(self.recipe, steps, base_dir, have["gpu"], have["ram_bytes"])
+        self._set_deadlines(steps, base_dir, have["gpu"])
         rows = []
         for s in steps:
             state = "forced" if is_forced(s, force) else ("hit" if s.key and self.cache.lookup(s.id, s.key) else "miss")
@@ -124,6 +137,7 @@ class Runner(StepDispatch):
                     "ram_gib": e.get("ram_gib"),
                     "gpu_gib": e.get("gpu_gib"),
                     "disk_gib": (e.get("disk_cache_gib", 0) + e.get("disk_output_gib", 0)) if e else None,
+                    "deadline_s": self.deadline_s(s.id),
                 }
             )
         self.preflight_problems = preflight.problems(
@@ -147,6 +161,7 @@ class Runner(StepDispatch):
         except preflight.PreflightError as e:
             raise RunError(str(e)) from None
         self.available = preflight.available_gib(have)
+        self._set_deadlines(steps, base_dir, have.get("gpu"))
         self.scheduler.ram_bytes = have.get("ram_bytes")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         lock = FileLock(str(self.out_dir / ".quantpipe.lock"))

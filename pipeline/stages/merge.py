@@ -16,6 +16,7 @@ import logging
 import os
 from pathlib import Path
 
+from ..common.links import escape_sentence, escaping_links
 from ..common.safetensors import param_count
 from . import StageError
 from .contract import MergeInput, Upstream
@@ -47,6 +48,7 @@ def run(inp: MergeInput, src: Path, out: Path, upstream: dict[str, Upstream] | N
         )
     if not (src / "config.json").is_file():
         raise StageError(f"base.model {src} has no config.json; point base.model at a Hugging Face model directory")
+    _refuse_escaping_links(inp, src)
     if not inp.adapters:
         return _pass_through(inp, src, out)
 
@@ -118,6 +120,15 @@ def run(inp: MergeInput, src: Path, out: Path, upstream: dict[str, Upstream] | N
         metrics["status_note"] = "the adapters do not change the logits (untrained or zero-weight adapters?)"
     log.info("merged %d adapter(s): max |merged - unmerged| = %.3g, adapter shift %.3g", len(adapters), diff, shift)
     return metrics
+
+
+def _refuse_escaping_links(inp: MergeInput, src: Path) -> None:
+    """No file from outside the base or an adapter folder reaches the cache (as a copy, or as a pass-through link)."""
+    folders = [("base.model", src)] + [(f"adapters.{i}.path", Path(a.path)) for i, a in enumerate(inp.adapters)]
+    for field, folder in folders:
+        links = escaping_links(folder)
+        if links:
+            raise StageError(escape_sentence(field, folder, links))
 
 
 # --- pass-through ---------------------------------------------------------------------------

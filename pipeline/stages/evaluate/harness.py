@@ -39,6 +39,12 @@ def run_lm_eval(le, model_args: dict, out: Path, settings: dict, scores: Scores,
     built from `model_args` as simple_evaluate would (so it can reuse its engine); None: lm-eval builds its hf model."""
     import shutil
 
+    from ...lm_tasks import code_problems
+
+    refused = code_problems(le)  # as `check` refuses them: a recipe that reached the stage another way is refused too
+    if refused:
+        raise StageError(refused[0])
+
     from lm_eval import simple_evaluate
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager

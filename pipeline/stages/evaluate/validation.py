@@ -17,6 +17,13 @@ from pathlib import Path
 from .. import StageError
 
 METRICS = ("exact_match", "contains", "regex", "json_valid")
+# A `regex` reference is matched with this limit per output: a pattern that backtracks without end on one output scores
+# that row as failed (named in the record and the report) instead of hanging the stage. Ordinary patterns take microseconds.
+REGEX_TIMEOUT_S = 1.0
+
+
+class PatternTimeout(Exception):
+    """A validation row's `regex` reference ran past REGEX_TIMEOUT_S on one output."""
 
 
 def load_validation(path: str | Path, default_metric: str, schema_path: str | None = None) -> list[dict]:
@@ -72,6 +79,13 @@ def load_validation(path: str | Path, default_metric: str, schema_path: str | No
                     raise StageError(
                         f"{where}: `reference` is not a valid regular expression ({e}); escape it or use metric contains"
                     ) from None
+                nested = nested_quantifier(ref)
+                if nested:
+                    raise StageError(
+                        f"{where}: `reference` repeats a group that itself repeats without a separator ({nested}), like "
+                        "(a+)+: matching it can take exponential time on an ordinary output; drop the outer repeat "
+                        "(a+ matches what (a+)+ does) or put a required character inside the group"
+                    )
             rows.append({**row, "metric": metric, "_where": where, "_line": line_no})
     if not rows:
         raise StageError(f"{p}: no rows; add JSON lines with `prompt` and `reference`")
@@ -90,7 +104,12 @@ def score_output(output: str, row: dict) -> float:
     if metric == "contains":
         return float(ref.strip() in output)
     if metric == "regex":
-        return float(re.search(ref, output) is not None)
+        import regex  # re-compatible, and its matcher can be stopped after a time limit (a dependency of transformers)
+
+        try:
+            return float(regex.search(ref, output, timeout=REGEX_TIMEOUT_S) is not None)
+        except TimeoutError:
+            raise PatternTimeout(row.get("_where", "a validation row")) from None
     if metric == "json_valid":
         text = output.strip()
         m = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", text, re.S)  # models like to fence JSON
@@ -101,6 +120,58 @@ def score_output(output: str, row: dict) -> float:
         schema = row.get("_schema")
         return float(schema is None or not schema_errors(value, schema))
     raise StageError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)}")
+
+
+def nested_quantifier(pattern: str) -> str | None:
+    """The first unbounded repeat whose body is itself an unbounded repeat plus only optional parts (`(a+)+`, `(\\w+\\s?)*`),
+    as the text of that repeat; None when there is none. Such a body can split one run of text in exponentially many
+    ways, and a backtracking matcher tries them all when the rest of the pattern fails. `(\\d+,)+` passes: the comma
+    fixes where each repetition ends."""
+    from re import _constants as c
+    from re import _parser as sre
+
+    try:
+        parsed = sre.parse(pattern)
+    except re.error:
+        return None
+    repeats = (c.MAX_REPEAT, c.MIN_REPEAT)
+
+    def width(item) -> int:
+        return sre.SubPattern(parsed.state, [item]).getwidth()[0]
+
+    def loose(items) -> bool:
+        """The items hold an unbounded repeat (directly or in a group or alternative) and nothing else of any width."""
+        for i, (op, av) in enumerate(items):
+            rest_optional = all(width(x) == 0 for j, x in enumerate(items) if j != i)
+            if not rest_optional:
+                continue
+            if op in repeats and av[1] == c.MAXREPEAT:
+                return True
+            if op is c.SUBPATTERN and loose(av[3]):
+                return True
+            if op is c.BRANCH and any(loose(alt) for alt in av[1]):
+                return True
+        return False
+
+    def find(items) -> bool:
+        for op, av in items:
+            if op in repeats and av[1] == c.MAXREPEAT and loose(av[2]):
+                return True
+            subs = {
+                c.SUBPATTERN: lambda: [av[3]],
+                c.BRANCH: lambda: av[1],
+                c.ASSERT: lambda: [av[1]],
+                c.ASSERT_NOT: lambda: [av[1]],
+            }
+            nested = [av[2]] if op in repeats else subs[op]() if op in subs else []
+            if any(find(n) for n in nested):
+                return True
+        return False
+
+    if not find(parsed.data):
+        return None
+    m = re.search(r"\((?:[^()\\]|\\.)*[+*}]\??(?:[^()\\]|\\.)*\)(?:[+*]|\{\d*,?\d*\})", pattern)
+    return m.group(0) if m else pattern
 
 
 def schema_errors(value, schema: dict) -> list[str]:
@@ -202,30 +273,26 @@ def row_id(row: dict) -> str:
 
 
 def score_validation(rows: list[dict], texts: list[str], cfg, out: Path, scores) -> dict:
-    """Each output scored by its row's metric, into `scores`; the outputs written to validation_outputs.jsonl."""
-    per_row, by_metric = [], {}
+    """Each output scored by its row's metric, into `scores`; the outputs written to validation_outputs.jsonl. A row whose
+    pattern runs past REGEX_TIMEOUT_S scores 0 and is named (file:line) under `timed_out`."""
+    per_row, by_metric, timed_out = [], {}, []
     with open(out / "validation_outputs.jsonl", "w") as f:
         for row, text in zip(rows, texts):
-            score = score_output(text, row)
+            entry = {"line": row["_line"], "metric": row["metric"], "reference": row.get("reference"), "output": text}
+            try:
+                score = score_output(text, row)
+            except PatternTimeout as e:
+                score, entry["timed_out"] = 0.0, True
+                timed_out.append(str(e))
             per_row.append(score)
             by_metric.setdefault(row["metric"], []).append(score)
-            f.write(
-                json.dumps(
-                    {
-                        "line": row["_line"],
-                        "metric": row["metric"],
-                        "reference": row.get("reference"),
-                        "output": text,
-                        "score": score,
-                    },
-                    ensure_ascii=False,
-                )
-                + "\n"
-            )
+            f.write(json.dumps({**entry, "score": score}, ensure_ascii=False) + "\n")
     metric = cfg.metric if set(by_metric) == {cfg.metric} else "mixed"
     scores.per_example[f"validation/{metric}"] = per_row
     scores.ids["validation"] = [row_id(r) for r in rows]
     result = {"metric": metric, "score": sum(per_row) / len(per_row), "n": len(per_row)}
     if metric == "mixed":
         result["by_metric"] = {m: {"score": sum(v) / len(v), "n": len(v)} for m, v in sorted(by_metric.items())}
+    if timed_out:
+        result["timed_out"] = timed_out
     return result

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from ...common.fmt import fidelity_text, fmt, human_bytes, md_cell
+from ...common.fmt import fidelity_text, fmt, human_bytes, md_cell, md_code, md_fence
 from ...common.gates import check_gates
 from ..contract import PackageInput
 
@@ -187,7 +187,14 @@ def write_card(inp: PackageInput, ctx: dict, path: Path, license_: str | None) -
         model_name=ctx["name"],
     )
     card = ModelCard.from_template(
-        data, template_str=_template("model_card.md.j2"), **ctx, fmt=fmt, human_bytes=human_bytes, md=md_cell
+        data,
+        template_str=_template("model_card.md.j2"),
+        **ctx,
+        fmt=fmt,
+        human_bytes=human_bytes,
+        md=md_cell,
+        code=md_code,
+        fence=md_fence,
     )
     path.write_text(str(card).rstrip() + "\n")
 
