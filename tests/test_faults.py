@@ -363,20 +363,22 @@ def _log(run: Run, name: str) -> str:
         return ""
 
 
+SMALL_BENCH = {  # one short sweep point on a small fixed KV cache: a server up in seconds, measured in seconds
+    "engine": {"enforce_eager": True, "max_model_len": 128, "kv_cache_memory_bytes": 128 * 2**20},
+    "workloads": [{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 2}],
+    "concurrency": [1],
+    "offline": False,
+    "lora": False,
+}
+
+
 @pytest.mark.slow
 @pytest.mark.long
 def test_kill_while_the_benchmark_server_is_up(tiny, built, tmp_path, runs):
     """kill -9 of the run while the benchmark stage's vLLM server is up: the stage, the server and its
     engine process all end, the port is free; the next run redoes the benchmark and publishes the package."""
     cache = copy_cache(built.cache, tmp_path / "cache", ("merge", "quantize"))
-    bench = {
-        "engine": {"enforce_eager": True, "max_model_len": 128, "kv_cache_memory_bytes": 128 * 2**20},
-        "workloads": [{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 2}],
-        "concurrency": [1],
-        "offline": False,
-        "lora": False,
-    }
-    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", benchmark=bench)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", benchmark=SMALL_BENCH)
     a = runs(recipe, label="a-server-up")
 
     def server_up():
@@ -418,14 +420,7 @@ def test_a_server_killed_mid_run_fails_its_stage_caches_nothing_and_is_measured_
     other artifact, exits 1, names the stage and the cause; nothing of the killed benchmark is cached; the unchanged
     re-run measures exactly that stage again (and builds the package that waited for it), reusing everything else."""
     cache = copy_cache(built.cache, tmp_path / "cache", ("merge", "quantize"))
-    bench = {
-        "engine": {"enforce_eager": True, "max_model_len": 128, "kv_cache_memory_bytes": 128 * 2**20},
-        "workloads": [{"name": "fixed", "input_len": 16, "output_len": 4, "num_prompts": 2}],
-        "concurrency": [1],
-        "offline": False,
-        "lora": False,
-    }
-    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", benchmark=bench)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny, cache, tmp_path / "out", benchmark=SMALL_BENCH)
     a = runs(recipe, label="a-server-killed")
 
     def serving():
