@@ -208,25 +208,29 @@ class StepDispatch:
                             "trying it again with the GPU to itself"
                         )
                     continue
-                held = retry.release(s.id, failed)
-                if held is not None:
-                    record.stages[held[0].id] = held[1]
-                if s.id in retry.first:
-                    rec.retried = retry.first[s.id]
-                rec.preflight = {
-                    "estimate": preflight.record(self.estimates, s.id),
-                    "actual": preflight.actual_peak(rec.metrics),
-                    "deadline_s": self.deadline_s(s.id),
-                }
-                record.stages[s.id] = rec
-                if s.kind == "benchmark" and rec.status == "ok" and rec.cache != "hit":  # sizes the next servers
-                    preflight.learn_server_overhead(self.cache.root, rec.metrics)
-                write_record(run_dir, record, self.secret_values)
+                self._record(s, rec, record, run_dir, retry, failed)
         finally:
             if threads:  # interrupted: stop every running stage, then let their threads clean up their work folders
                 self.procs.stop_all()
                 for th in threads.values():
                     th.join(timeout=30)
+
+    def _record(self, s: Step, rec: StageRecord, record: RunRecord, run_dir: Path, retry: _Retry, failed: dict) -> None:
+        """Put a finished stage's record (and an evaluation held back for it) into run.json; learn from a benchmark."""
+        held = retry.release(s.id, failed)
+        if held is not None:
+            record.stages[held[0].id] = held[1]
+        if s.id in retry.first:
+            rec.retried = retry.first[s.id]
+        rec.preflight = {
+            "estimate": preflight.record(self.estimates, s.id),
+            "actual": preflight.actual_peak(rec.metrics),
+            "deadline_s": self.deadline_s(s.id),
+        }
+        record.stages[s.id] = rec
+        if s.kind == "benchmark" and rec.status == "ok" and rec.cache != "hit":  # sizes the next servers
+            preflight.learn_server_overhead(self.cache.root, rec.metrics)
+        write_record(run_dir, record, self.secret_values)
 
     def _lookup(self, s: Step) -> dict | None:
         """The cache entry of `s`, unless it is a benchmark that recorded a fault of its host as "not servable here"
