@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .common.shape import ModelShape
+
 DEADLINE_FACTOR = 10
 MIN_DEADLINE_S = 30 * 60
 UNKNOWN_DEADLINE_S = 6 * 3600  # a model whose config.json is not here yet (a hub model before its download)
@@ -38,11 +40,11 @@ def _lines(path: str) -> int:
         return 0
 
 
-def stage_terms(recipe, s, m: dict, b: int, flops: float, docs: int | None = None) -> dict[str, float]:
+def stage_terms(recipe, s, m: ModelShape, b: int, flops: float, docs: int | None = None) -> dict[str, float]:
     """Seconds per named cost of one step (`s`, a run/plan Step) on a model of shape `m` stored in `b` bytes/weight;
     `docs`: the lm-eval documents the tasks hold, where known."""
-    per_token = 2 * m["params"] / flops
-    weights_s = m["params"] * b / DISK_BYTES_S
+    per_token = 2 * m.params / flops
+    weights_s = m.params * b / DISK_BYTES_S
     a = next((x for x in recipe.artifacts if x.name == s.artifact), None)
     if s.kind == "merge":
         return {"read and write the weights": 2 * weights_s, "merge check": 9 * DOC_TOKENS * per_token}
@@ -51,11 +53,11 @@ def stage_terms(recipe, s, m: dict, b: int, flops: float, docs: int | None = Non
         passes = getattr(a, "n_grid", 0) + 3 if a.method == "awq" else CALIBRATION_PASSES.get(a.method, 5)
         if a.method == "fp8" and getattr(a, "mode", None) != "static":
             passes = 0
-        h, inter = m["hidden"], m["intermediate"]
+        h, inter = m.hidden, m.mlp
         return {
             "read and write the weights": 2 * weights_s,
             "calibration passes": passes * (c.num_samples * c.max_seq_len if c else 0) * per_token,
-            "per-layer solves": m["layers"] * (6 * h**3 + inter**3) / flops if passes else 0,
+            "per-layer solves": m.layers * (6 * h**3 + inter**3) / flops if passes else 0,
         }
     if s.kind == "evaluate":
         ev = recipe.evaluation
@@ -85,10 +87,10 @@ def stage_terms(recipe, s, m: dict, b: int, flops: float, docs: int | None = Non
 
 def estimate(recipe, steps, base_dir: str | Path | None, gpu: dict | None) -> dict[str, dict]:
     """Per step id: {"time_s": the estimate, "terms": seconds per cost}; {} when the model's shape is not known."""
-    from .preflight import DTYPE_BYTES, model_shape
+    from .preflight import DTYPE_BYTES
 
-    m = model_shape(base_dir) if base_dir else None
-    if m is None:
+    m = ModelShape.read(base_dir) if base_dir else None
+    if m is None or not m.complete:
         return {}
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     flops = GPU_FLOPS if gpu else CPU_FLOPS_PER_CORE * cores

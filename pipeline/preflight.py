@@ -16,10 +16,9 @@ import shutil
 from pathlib import Path
 
 from .common.compute import compute_dtype
-from .common.hf_config import read_config, text_part
 from .common.nvidia import nvidia_smi, visible_gpus
-from .common.safetensors import param_count
-from .common.vllm_support import DEFAULT_CPU_KV_BYTES, GPU_OVERHEAD_BYTES, KV_HEADROOM, gpu_kv_bytes
+from .common.shape import ModelShape
+from .common.vllm_support import GPU_OVERHEAD_BYTES, KV_HEADROOM, cpu_kv_bytes, gpu_kv_bytes
 from .run.publish import unpublished
 
 GIB = 2**30
@@ -34,55 +33,16 @@ class PreflightError(Exception):
 # --- what the model is --------------------------------------------------------------------------
 
 
-def model_shape(model_dir: str | Path) -> dict | None:
-    """Dimensions from config.json (text_config if multimodal) and the parameter count (safetensors headers, else config)."""
-    d = Path(model_dir)
-    cfg = read_config(d)
-    if cfg is None:
-        return None
-    c = text_part(cfg)
-    try:
-        h, L, heads, V = (int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"))
-        kv = int(c.get("num_key_value_heads") or heads)
-        hd = int(c.get("head_dim") or h // heads)
-        inter = int(c.get("intermediate_size") or 4 * h)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-    if min(h, L, heads, V, kv, hd, inter) <= 0:
-        return None
-    tied = bool(cfg.get("tie_word_embeddings", c.get("tie_word_embeddings", False)))
-    layer = h * heads * hd * 2 + h * kv * hd * 2 + 3 * h * inter + 2 * h
-    from_config = V * h * (1 if tied else 2) + L * layer + h
-    counted = param_count(sorted(d.glob("*.safetensors")))
-    return {
-        "hidden": h,
-        "layers": L,
-        "heads": heads,
-        "kv_heads": kv,
-        "head_dim": hd,
-        "intermediate": inter,
-        "vocab": V,
-        "tied": tied,
-        "params": counted or from_config,
-        "params_from": "safetensors" if counted else "config",
-        "layer_params": layer,
-        "max_len": int(c.get("max_position_embeddings") or 0) or None,
-        "logits_rescaled": any(
-            c.get(k) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")
-        ),
-    }
-
-
-def artifact_bytes(a, m: dict, b: int) -> int:
+def artifact_bytes(a, m: ModelShape, b: int) -> int:
     """On-disk size of an artifact: quantized Linear weights at q bytes, embeddings and ignored modules at b."""
     if a is None:
-        return m["params"] * b
+        return m.params * b
     bits = getattr(a, "bits", 4 if a.method in ("awq", "rtn") else 8)
     group = getattr(a, "group_size", None)
     q = bits / 8 + (2 * 2 / group if group else 0)  # per-group scale and zero point
-    unquantized = m["vocab"] * m["hidden"] * (1 if m["tied"] or "lm_head" not in a.ignore else 2)
-    unquantized = min(unquantized, m["params"])
-    return int((m["params"] - unquantized) * q + unquantized * b)
+    unquantized = m.vocab * m.hidden * (1 if m.tied or "lm_head" not in a.ignore else 2)
+    unquantized = min(unquantized, m.params)
+    return int((m.params - unquantized) * q + unquantized * b)
 
 
 # --- estimates ----------------------------------------------------------------------------------
@@ -93,14 +53,14 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
     from .stages.package import parse_size
     from .stages.quantize import SHARD_SIZE
 
-    m = model_shape(base_dir)
-    if m is None:
+    m = ModelShape.read(base_dir)
+    if m is None or not m.complete:
         return {}
     b = DTYPE_BYTES[recipe.base.dtype]
     # quantize and the hf evaluation compute in float32 on a CPU without fast kernels for base.dtype
     work = recipe.base.dtype if gpu else compute_dtype(recipe.base.dtype, "cpu")
     wb = DTYPE_BYTES[work]
-    P, h, L = m["params"], m["hidden"], m["layers"]
+    P, h, L = m.params, m.hidden, m.layers
     arts = {a.name: a for a in recipe.artifacts}
     adapters = sum(
         _size(Path(a.path) / "adapter_model.safetensors") or _size(Path(a.path) / "adapter_model.bin")
@@ -125,22 +85,22 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
             if calibrated and c:
                 terms["layer activations (2*N*S*h*b)"] = 2 * N * S * h * wb
                 if a.method in ("gptq", "w8a8-int8"):
-                    hess = (5 * h * h + (m["heads"] * m["head_dim"]) ** 2 + m["intermediate"] ** 2) * 4
+                    hess = (5 * h * h + (m.heads * m.head_dim) ** 2 + m.mlp ** 2) * 4
                     terms["GPTQ Hessians"] = hess * (L if a.pipeline == "basic" else 1)
                 if a.method == "awq":
-                    terms["AWQ activation cache"] = N * S * (2 * h + m["heads"] * m["head_dim"] + m["intermediate"]) * 4
+                    terms["AWQ activation cache"] = N * S * (2 * h + m.heads * m.head_dim + m.mlp) * 4
             if gpu:
                 gpu_terms = {
-                    "one decoder layer (x2)": 2 * m["layer_params"] * b,
-                    "embeddings and lm_head": m["vocab"] * h * b * (1 if m["tied"] else 2),
+                    "one decoder layer (x2)": 2 * m.layer_params * b,
+                    "embeddings and lm_head": m.vocab * h * b * (1 if m.tied else 2),
                 }
                 gpu_terms |= {k: v for k, v in terms.items() if k.startswith(("GPTQ", "AWQ", "layer activations"))}
             disk_cache = size
         elif s.kind == "evaluate":
             dt, eb = (work, wb) if s.inp.backend == "hf" else (recipe.base.dtype, b)
             terms = {f"model in {dt}": P * eb}
-            if a is not None and s.inp.backend == "hf" and not m["logits_rescaled"]:  # hf.load_head
-                terms["baseline's output layer (for KL)"] = m["vocab"] * h * eb
+            if a is not None and s.inp.backend == "hf" and not m.logits_rescaled:  # hf.load_head
+                terms["baseline's output layer (for KL)"] = m.vocab * h * eb
             elif a is not None:
                 terms["baseline (for KL)"] = P * eb
             if gpu:
@@ -156,7 +116,7 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
                 options = [server_terms(recipe.benchmark, e, m, weights, gpu) for e in engines]
                 gpu_terms = max(options, key=lambda t: sum(v for k, v in t.items() if not k.startswith("_")))
             else:
-                kv = max(_cpu_kv(e, m, ram_available) for e in engines)
+                kv = max(_cpu_kv(recipe.benchmark, e, m, ram_available) for e in engines)
                 terms = {"weights": weights, "KV cache": kv}
         elif s.kind == "package":
             size = artifact_bytes(a, m, b)
@@ -176,19 +136,19 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
     return out
 
 
-def server_terms(bench, e, m: dict, weights: int, gpu: dict) -> dict[str, int]:
+def server_terms(bench, e, m: ModelShape, weights: int, gpu: dict) -> dict[str, int]:
     """A GPU benchmark server's memory, by term: weights + KV cache (the recipe's kv_cache_memory_bytes, or what
     quantpipe picks from the workloads) + what vLLM needs beside them on this card (measured on this host, else a
     default). Where the recipe sets gpu_memory_utilization alone, vLLM reserves that share of the card, which must hold
     the weights and one max_model_len sequence (`_needs`)."""
-    bpt = _kv_per_token(m, [e])
+    bpt = m.kv_bytes_per_token(e.kv_cache_dtype)
     card = gpu.get("card_bytes") or gpu["total_bytes"]
-    kv = e.kv_cache_memory_bytes or gpu_kv_bytes(bench, e, bpt, m["max_len"])
+    kv = e.kv_cache_memory_bytes or gpu_kv_bytes(bench, e, bpt, m.max_len)
     if kv is None:
         util = e.gpu_memory_utilization
         return {
             f"gpu_memory_utilization {util:g} of {card / GIB:.1f} GiB": int(util * card),
-            "_needs": weights + bpt * (e.max_model_len or m["max_len"] or 2048),
+            "_needs": weights + bpt * (e.max_model_len or m.max_len or 2048),
         }
     over, how = gpu.get("server_overhead_bytes") or GPU_OVERHEAD_BYTES, gpu.get("server_overhead_from") or "default"
     terms = {"weights": weights, "KV cache": kv, f"CUDA graphs, activations, context ({how})": over}
@@ -197,7 +157,7 @@ def server_terms(bench, e, m: dict, weights: int, gpu: dict) -> dict[str, int]:
     return terms
 
 
-def eval_server_terms(util: float | None, m: dict, weights: int, gpu: dict) -> dict[str, int]:
+def eval_server_terms(util: float | None, m: ModelShape, weights: int, gpu: dict) -> dict[str, int]:
     """The GPU memory of an evaluation's own vLLM server (evaluate/vllm.py sizes it the same way): with
     evaluation.lm_eval.gpu_memory_utilization, that share of the card; else weights + one max-length sequence of KV
     cache with headroom + vLLM's memory beside them."""
@@ -205,7 +165,7 @@ def eval_server_terms(util: float | None, m: dict, weights: int, gpu: dict) -> d
     if util is not None:
         return {f"gpu_memory_utilization {util:g} of {card / GIB:.1f} GiB": int(util * card), "_needs": weights}
     over, how = gpu.get("server_overhead_bytes") or GPU_OVERHEAD_BYTES, gpu.get("server_overhead_from") or "default"
-    kv = int(_kv_per_token(m, []) * (m["max_len"] or 2048) * KV_HEADROOM)
+    kv = int(m.kv_bytes_per_token(None) * (m.max_len or 2048) * KV_HEADROOM)
     return {"weights": weights, "KV cache": kv, f"CUDA graphs, activations, context ({how})": over}
 
 
@@ -221,17 +181,15 @@ def _size(p: Path) -> int:
         return 0
 
 
-def _kv_per_token(m: dict, engines) -> int:
-    elt = 1 if any((e.kv_cache_dtype or "auto").startswith("fp8") for e in engines) else 2
-    return 2 * m["layers"] * m["kv_heads"] * m["head_dim"] * elt
-
-
-def _cpu_kv(e, m: dict, ram_available: int | None) -> int:
-    """The CPU KV cache the benchmark stage will allocate: the recipe's, or its own pick (capped at a quarter of free memory)."""
+def _cpu_kv(bench, e, m: ModelShape, ram_available: int | None) -> int:
+    """The CPU KV cache the benchmark stage will allocate: the recipe's, or its own pick (common/vllm_support.cpu_kv_bytes)
+    for the longest workload, a validation workload's prompts counted at the longest the engine allows."""
     if e.kv_cache_memory_bytes:
         return e.kv_cache_memory_bytes
-    want = max(DEFAULT_CPU_KV_BYTES, int(_kv_per_token(m, [e]) * (e.max_model_len or m["max_len"] or 2048) * 1.1))
-    return min(want, ram_available // 4) if ram_available else want
+    max_len = e.max_model_len or m.max_len or 2048
+    need = max((w.max_tokens or max_len for w in bench.workloads), default=max_len)
+    bpt = m.kv_bytes_per_token(e.kv_cache_dtype)
+    return cpu_kv_bytes(e.max_model_len, m.max_len, bpt, need, max(bench.concurrency), ram_available)[0]
 
 
 # --- what the machine has -------------------------------------------------------------------------

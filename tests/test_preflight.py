@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from helpers.fakes import safetensors
 
 from quantpipe import preflight
+from quantpipe.common.shape import ModelShape
 from quantpipe.cli import main
 from quantpipe.recipe import Recipe, parse
 from quantpipe.run.plan import build_steps
@@ -73,12 +74,12 @@ def test_parameter_count_matches_transformers(tmp_path, config):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d))
     n = model.num_parameters()
-    from_config = preflight.model_shape(d)
-    assert from_config["params_from"] == "config"
-    assert abs(from_config["params"] - n) / n < 0.01, (from_config["params"], n)
+    from_config = ModelShape.read(d)
+    assert from_config.params_from == "config"
+    assert abs(from_config.params - n) / n < 0.01, (from_config.params, n)
     model.save_pretrained(tmp_path / "saved")
-    from_weights = preflight.model_shape(tmp_path / "saved")
-    assert from_weights["params_from"] == "safetensors" and from_weights["params"] == n
+    from_weights = ModelShape.read(tmp_path / "saved")
+    assert from_weights.params_from == "safetensors" and from_weights.params == n
 
 
 def test_method_overheads_scale_with_what_they_depend_on(tmp_path):
@@ -107,7 +108,7 @@ def test_method_overheads_scale_with_what_they_depend_on(tmp_path):
     t3 = preflight.estimate(r3, build_steps(r3, str(m)), str(m), gpu=None)["quantize:gptq"]["terms"]
     assert t3["GPTQ Hessians"] == LLAMA["num_hidden_layers"] * t["quantize:gptq"]["GPTQ Hessians"]
     # a 4-bit artifact is smaller on disk than an 8-bit one, which is smaller than the baseline
-    baseline = preflight.artifact_bytes(None, preflight.model_shape(m), 2)
+    baseline = preflight.artifact_bytes(None, ModelShape.read(m), 2)
     assert est["package:gptq"]["disk_output_bytes"] < est["package:fp8"]["disk_output_bytes"] < baseline
     # in the cache a package's shards are hard links to the quantize entry's, unless it re-shards them smaller
     assert est["package:fp8"]["disk_cache_bytes"] == 0
@@ -129,8 +130,8 @@ def test_cpu_stages_computing_in_float32_are_sized_in_float32(tmp_path, monkeypa
         terms[fast] = {
             k: v["terms"] for k, v in preflight.estimate(r, build_steps(r, str(m)), str(m), gpu=None).items()
         }
-    shape = preflight.model_shape(m)
-    P = shape["params"]
+    shape = ModelShape.read(m)
+    P = shape.params
     assert (
         terms[True]["quantize:gptq"]["model in bfloat16"] == 2 * P
         and terms[False]["quantize:gptq"]["model in float32"] == 4 * P
@@ -140,7 +141,7 @@ def test_cpu_stages_computing_in_float32_are_sized_in_float32(tmp_path, monkeypa
         == 2 * terms[True]["quantize:gptq"]["layer activations (2*N*S*h*b)"]
     )
     assert terms[False]["evaluate:gptq"]["model in float32"] == 4 * P
-    assert terms[False]["evaluate:gptq"]["baseline's output layer (for KL)"] == 4 * shape["vocab"] * shape["hidden"]
+    assert terms[False]["evaluate:gptq"]["baseline's output layer (for KL)"] == 4 * shape.vocab * shape.hidden
     assert terms[False]["benchmark:gptq"] == terms[True]["benchmark:gptq"]  # vLLM serves in base.dtype either way
 
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from ..recipe import Engine
 from ..stages import StageError
-from .hf_config import text_config
 
 if TYPE_CHECKING:
     from ..recipe import Recipe
@@ -154,16 +153,31 @@ def engine_flags(engine: dict) -> list[str]:
     return args + list(engine.get("extra_args") or [])
 
 
-def kv_bytes_per_token(model_dir: Path, kv_cache_dtype: str | None) -> int | None:
-    c = text_config(model_dir)
-    try:
-        layers, heads = c["num_hidden_layers"], c["num_attention_heads"]
-        kv_heads = c.get("num_key_value_heads") or heads
-        head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    except (KeyError, TypeError, ZeroDivisionError):
-        return None
-    elt = 1 if (kv_cache_dtype or "auto").startswith("fp8") else 2
-    return 2 * layers * kv_heads * head_dim * elt
+def cpu_kv_bytes(
+    engine_max_len: int | None,
+    model_max_len: int | None,
+    bytes_per_token: int | None,
+    need_len: int,
+    concurrency: int,
+    available_bytes: int | None,
+) -> tuple[int, int | None]:
+    """The KV cache vLLM's CPU worker gets where the recipe sets none, and the max_model_len quantpipe sets to make it
+    fit (None: left as it is). The cache holds the larger of one max_model_len sequence and the longest workload
+    (`need_len` tokens) at the highest concurrency, with a tenth more, and at least DEFAULT_CPU_KV_BYTES; within a
+    quarter of the free memory, shortening max_model_len to the workloads' need (rounded up to 256) where the recipe
+    does not set it. Rounded up to whole MiB."""
+    max_len = engine_max_len or model_max_len or need_len
+    want = DEFAULT_CPU_KV_BYTES
+    if bytes_per_token:
+        want = max(want, int(bytes_per_token * max(max_len, need_len * concurrency) * 1.1))
+    shortened = None
+    cap = available_bytes // 4 if available_bytes else None
+    if cap is not None and want > cap and bytes_per_token:
+        if engine_max_len is None and max_len > need_len:
+            shortened = int(math.ceil(need_len / 256) * 256)
+            want = max(DEFAULT_CPU_KV_BYTES, int(bytes_per_token * max(shortened, need_len * concurrency) * 1.1))
+        want = min(want, cap)
+    return int(math.ceil(want / 2**20) * 2**20), shortened
 
 
 def gpu_kv_bytes(bench, engine: Engine, bytes_per_token: int, model_max_len: int | None) -> int | None:

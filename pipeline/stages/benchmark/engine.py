@@ -9,18 +9,11 @@ memory).
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
-from ...common.hf_config import text_config
-from ...common.vllm_support import (
-    DEFAULT_CPU_KV_BYTES,
-    KV_HEADROOM,
-    gpu_kv_bytes,
-    gpu_start_share,
-    kv_bytes_per_token,
-)
+from ...common.shape import ModelShape
+from ...common.vllm_support import KV_HEADROOM, cpu_kv_bytes, gpu_kv_bytes, gpu_start_share
 from ...recipe import Adapter, Engine
 from .. import StageError
 from ..contract import BenchmarkInput
@@ -44,24 +37,18 @@ def effective_engine(
         and "kv_cache_memory_bytes" not in e
         and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
     ):
-        bpt = kv_bytes_per_token(model_dir, e.get("kv_cache_dtype"))
-        c = text_config(model_dir)
-        max_len = e.get("max_model_len") or c.get("max_position_embeddings") or need_len
-        conc = max(inp.benchmark.concurrency)
-        want = DEFAULT_CPU_KV_BYTES
-        if bpt:
-            want = max(want, int(bpt * max(max_len, need_len * conc) * 1.1))
-        cap = _available_bytes() // 4
-        if want > cap and bpt:
-            if "max_model_len" not in e and max_len > need_len:
-                e["max_model_len"] = int(math.ceil(need_len / 256) * 256)
-                notes.append(
-                    f"max_model_len set to {e['max_model_len']} (the longest workload needs {need_len} tokens): "
-                    f"the model's {max_len} would not fit a CPU KV cache within a quarter of the free memory"
-                )
-                want = max(DEFAULT_CPU_KV_BYTES, int(bpt * max(e["max_model_len"], need_len * conc) * 1.1))
-            want = min(want, cap)
-        want = int(math.ceil(want / 2**20) * 2**20)
+        shape = ModelShape.read(model_dir)
+        bpt = shape.kv_bytes_per_token(e.get("kv_cache_dtype")) if shape else None
+        model_max_len = shape.max_len if shape else None
+        want, shortened = cpu_kv_bytes(
+            e.get("max_model_len"), model_max_len, bpt, need_len, max(inp.benchmark.concurrency), _available_bytes()
+        )
+        if shortened:
+            e["max_model_len"] = shortened
+            notes.append(
+                f"max_model_len set to {shortened} (the longest workload needs {need_len} tokens): "
+                f"the model's {model_max_len or need_len} would not fit a CPU KV cache within a quarter of the free memory"
+            )
         e["kv_cache_memory_bytes"] = want
         notes.append(
             f"kv_cache_memory_bytes set to {want} ({want / 2**30:.2f} GiB): vLLM's CPU backend needs an explicit "
@@ -75,10 +62,9 @@ def _gpu_memory(e: dict, engine: Engine, inp: BenchmarkInput, model_dir: Path, p
     the workloads (common/vllm_support.gpu_kv_bytes), so the server needs what its traffic needs rather than 90 % of the
     card; and where the KV cache is fixed, the share of the card vLLM checks is free at start-up. Updates `e`."""
     notes = []
-    bpt = kv_bytes_per_token(model_dir, e.get("kv_cache_dtype"))
-    kv = (
-        gpu_kv_bytes(inp.benchmark, engine, bpt, text_config(model_dir).get("max_position_embeddings")) if bpt else None
-    )
+    shape = ModelShape.read(model_dir)
+    bpt = shape.kv_bytes_per_token(e.get("kv_cache_dtype")) if shape else None
+    kv = gpu_kv_bytes(inp.benchmark, engine, bpt, shape.max_len) if bpt else None
     if kv:
         e["kv_cache_memory_bytes"] = kv
         notes.append(

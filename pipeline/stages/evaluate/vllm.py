@@ -92,13 +92,12 @@ def own_engine(
     vLLM has no kernel for the checkpoint's scheme on this machine."""
     # What vLLM can run here and the CPU KV-cache size, decided as for the benchmark stage (common.vllm_support).
     # Not in this stage's cache key: they decide a refusal, never cached, and a KV-cache size, which moves no figure.
-    from ...common.hf_config import text_config
+    from ...common.shape import ModelShape
     from ...common.vllm_support import (
         DEFAULT_CPU_KV_BYTES,
         KV_HEADROOM,
         engine_flags,
         gpu_start_share,
-        kv_bytes_per_token,
         probe_platform,
         quant_scheme,
         unservable_reason,
@@ -115,15 +114,17 @@ def own_engine(
     engine: dict = {"dtype": settings["dtype"], "seed": le.seed if le else 0, "enforce_eager": True}
     if trust_remote_code:
         engine["trust_remote_code"] = True
+    shape = ModelShape.read(src)
+    max_len = shape.max_len if shape else None
     if plat["platform"] == "cpu":  # room for one sequence of the model's full length
-        bpt = (kv_bytes_per_token(src, None) or 0) * (2 if settings["dtype"] == "float32" else 1)
-        need = bpt * (text_config(src).get("max_position_embeddings") or 0)
+        bpt = ((shape.kv_bytes_per_token(None) if shape else None) or 0) * (2 if settings["dtype"] == "float32" else 1)
+        need = bpt * (max_len or 0)
         engine["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
     elif le is not None and le.gpu_memory_utilization is not None:
         engine["gpu_memory_utilization"] = le.gpu_memory_utilization
     elif plat["platform"] == "cuda":  # sized as pre-flight and the scheduler count it (preflight.eval_server_terms)
-        bpt = kv_bytes_per_token(src, None) or 0
-        need = bpt * (text_config(src).get("max_position_embeddings") or 2048) * KV_HEADROOM
+        bpt = (shape.kv_bytes_per_token(None) if shape else None) or 0
+        need = bpt * (max_len or 2048) * KV_HEADROOM
         engine["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
         weights = sum(p.stat().st_size for p in Path(src).glob("*.safetensors"))
         share = gpu_start_share(engine, weights, plat)
@@ -195,7 +196,7 @@ def api_model(srv, src: Path, le, settings: dict, trust_remote_code: bool):
     """lm-eval's local-completions model on `srv`, built as `lm_eval --model local-completions --model_args ...` builds it."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    from ...common.hf_config import text_config
+    from ...common.shape import ModelShape
 
     model_args = {
         "model": srv.served_model_name,
@@ -204,7 +205,7 @@ def api_model(srv, src: Path, le, settings: dict, trust_remote_code: bool):
         "tokenizer_backend": "huggingface",
         "tokenized_requests": True,
         "add_bos_token": settings["add_bos"],
-        "max_length": text_config(src).get("max_position_embeddings") or 2048,
+        "max_length": (shape.max_len if (shape := ModelShape.read(src)) else None) or 2048,
         "num_concurrent": CONCURRENT,
         "max_retries": 1,
         "timeout": REQUEST_TIMEOUT_S,
