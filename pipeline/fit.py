@@ -18,10 +18,11 @@ from pathlib import Path
 
 from .common.hf_config import read_config, text_part
 from .common.safetensors import read_header, tensors
+from .common.shape import CONTEXT_KEY, ModelShape
 
 # vLLM's keys for a model's context length (ModelArchConfigConvertor.derive_max_model_len_and_key, vLLM 0.32): the smallest present wins
 CONTEXT_KEYS = (
-    "max_position_embeddings",
+    CONTEXT_KEY,
     "n_positions",
     "max_seq_len",
     "seq_length",
@@ -65,16 +66,17 @@ def _int(c: dict, key: str) -> int | None:
 
 def layer_inputs(c: dict) -> dict[str, int]:
     """Input width of each Linear of a decoder layer (llama-style names) and lm_head, from config.json; {} when it does not say."""
-    h, layers, heads = _int(c, "hidden_size"), _int(c, "num_hidden_layers"), _int(c, "num_attention_heads")
+    s = ModelShape.from_config(c)
+    h, layers, heads = s.hidden, s.layers, s.heads
     if not h or not layers:
         return {}
-    hd = _int(c, "head_dim") or (h // heads if heads and h % heads == 0 else None)
+    hd = s.exact_head_dim
     v_hd = _int(c, "v_head_dim") or hd  # MLA (DeepSeek) projects values to v_head_dim
     per_layer = {"self_attn.q_proj": h, "self_attn.k_proj": h, "self_attn.v_proj": h}
     if heads and v_hd:
         per_layer["self_attn.o_proj"] = heads * v_hd
-    if _int(c, "intermediate_size"):
-        per_layer |= {"mlp.gate_proj": h, "mlp.up_proj": h, "mlp.down_proj": c["intermediate_size"]}
+    if s.intermediate:
+        per_layer |= {"mlp.gate_proj": h, "mlp.up_proj": h, "mlp.down_proj": s.intermediate}
     if _int(c, "moe_intermediate_size"):
         per_layer |= {
             "mlp.experts.0.gate_proj": h,
@@ -233,7 +235,7 @@ def context_problems(recipe, c: dict, tok_dir: Path) -> list[str]:
     allow_long = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").lower() in ("1", "true")
     tok_max = _tokenizer_max(tok_dir)
     reported: set = set()
-    heads = _int(c, "num_attention_heads")
+    heads = ModelShape.from_config(c).heads
     for j, (vname, e) in enumerate(variant_engines(recipe)):
         tp = e.tensor_parallel_size
         if tp and heads and heads % tp:

@@ -20,10 +20,10 @@ import json
 import re
 from pathlib import Path
 
-from .common.hf_config import read_config, text_part
+from .common.hf_config import read_config
 from .common.safetensors import read_header, tensors
+from .common.shape import ModelShape, architecture_differences
 
-ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
 LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(.+)\.lora_(A|B)(?:\.[\w-]+)?\.weight$")
 LORA_TENSOR = re.compile(r"layers\.(\d+)\..*?\b(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_(A|B)\b")
 
@@ -163,7 +163,6 @@ def adapter_mismatch(adapter: Path, model: Path | None) -> str | None:
     ours = read_config(model)
     if ours is None:
         return None
-    o = text_part(ours)
     theirs_dir = conf.get("base_model_name_or_path")
     try:
         local = (
@@ -176,19 +175,18 @@ def adapter_mismatch(adapter: Path, model: Path | None) -> str | None:
         local = False
     if local:
         theirs = read_config(Path(theirs_dir)) or {}
-        t = text_part(theirs)
         diff = (
             [f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}"]
             if theirs.get("model_type") != ours.get("model_type")
             else []
         )
-        diff += [f"{k} {t[k]} vs {o[k]}" for k in ARCH_FIELDS if k in t and k in o and t[k] != o[k]]
+        diff += architecture_differences(theirs, ours)
         if diff:
             return (
                 f"was trained on {theirs_dir}, another architecture than base.model ({'; '.join(diff)}); "
                 "use an adapter trained on this base model, or set base.model to the adapter's"
             )
-    return _shape_mismatch(adapter / "adapter_model.safetensors", o)
+    return _shape_mismatch(adapter / "adapter_model.safetensors", ModelShape.from_config(ours))
 
 
 def config_mismatch(conf: dict, st: Path) -> str | None:
@@ -234,15 +232,17 @@ def _names(pattern: str, module: str) -> bool:
         return True  # a key peft itself could not use: leave the module unchecked
 
 
-def _shape_mismatch(st: Path, c: dict) -> str | None:
+def _shape_mismatch(st: Path, shape: ModelShape) -> str | None:
     """LoRA A is [r, in], B is [out, r]: compare in/out with the projections the base's config implies."""
-    try:
-        h, L, heads, inter = (
-            int(c[k]) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-        )
-        kv = int(c.get("num_key_value_heads") or heads)
-        hd = int(c.get("head_dim") or h // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+    h, L, heads, kv, hd, inter = (
+        shape.hidden,
+        shape.layers,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.intermediate,
+    )
+    if None in (h, L, heads, kv, hd, inter):
         return None
     dims = {
         "q_proj": (h, heads * hd),

@@ -85,7 +85,7 @@ def estimate(recipe, steps, base_dir: str, gpu: dict | None, ram_available: int 
             if calibrated and c:
                 terms["layer activations (2*N*S*h*b)"] = 2 * N * S * h * wb
                 if a.method in ("gptq", "w8a8-int8"):
-                    hess = (5 * h * h + (m.heads * m.head_dim) ** 2 + m.mlp ** 2) * 4
+                    hess = (5 * h * h + (m.heads * m.head_dim) ** 2 + m.mlp**2) * 4
                     terms["GPTQ Hessians"] = hess * (L if a.pipeline == "basic" else 1)
                 if a.method == "awq":
                     terms["AWQ activation cache"] = N * S * (2 * h + m.heads * m.head_dim + m.mlp) * 4

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from helpers.fakes import safetensors
 
 from quantpipe import preflight
-from quantpipe.common.shape import ModelShape
 from quantpipe.cli import main
+from quantpipe.common.shape import ModelShape
 from quantpipe.recipe import Recipe, parse
 from quantpipe.run.plan import build_steps
 

@@ -94,6 +94,13 @@ class ModelShape:
         return None not in (self.hidden, self.layers, self.heads, self.vocab, self.kv_heads, self.head_dim)
 
     @property
+    def exact_head_dim(self) -> int | None:
+        """The head size where config.json gives it or the hidden size divides evenly among the heads, else None."""
+        if "head_dim" in self.declared or (self.hidden and self.heads and self.hidden % self.heads == 0):
+            return self.head_dim
+        return None
+
+    @property
     def mlp(self) -> int:
         """The MLP's inner width: config.json's, else 4 x hidden."""
         return self.intermediate or 4 * (self.hidden or 0)
@@ -125,7 +132,7 @@ class ModelShape:
 
 
 def architecture_differences(theirs: dict, ours: dict) -> list[str]:
-    """"<key> <theirs> vs <ours>" for each architecture dimension both config dicts set (their text_config parts) and
+    """ "<key> <theirs> vs <ours>" for each architecture dimension both config dicts set (their text_config parts) and
     that differs."""
     t, o = text_part(theirs), text_part(ours)
     return [f"{k} {t[k]} vs {o[k]}" for k in (KEYS[f] for f in ARCHITECTURE) if k in t and k in o and t[k] != o[k]]

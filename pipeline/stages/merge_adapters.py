@@ -11,6 +11,7 @@ import json
 import re
 from pathlib import Path
 
+from ..common.shape import KEYS, architecture_differences
 from . import StageError
 from .contract import MergeInput
 
@@ -58,16 +59,6 @@ def check_adapter(i: int, path: str, weight: float, inp: MergeInput, src: Path, 
     }
 
 
-ARCH_FIELDS = (
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-)
-
-
 def _check_architecture(where: str, base_name: str | None, src: Path, cfg) -> None:
     """Where the adapter names a local base model, it must be the same architecture as ours."""
     if not base_name or not (Path(base_name) / "config.json").is_file():
@@ -76,13 +67,10 @@ def _check_architecture(where: str, base_name: str | None, src: Path, cfg) -> No
         return
     theirs = json.loads((Path(base_name) / "config.json").read_text())
     ours = cfg.to_dict()
-    t_txt, o_txt = theirs.get("text_config", theirs), ours.get("text_config", ours)
     problems = []
     if theirs.get("model_type") != ours.get("model_type"):
         problems.append(f"model type {theirs.get('model_type')!r} vs {ours.get('model_type')!r}")
-    for k in ARCH_FIELDS:
-        if k in t_txt and k in o_txt and t_txt[k] != o_txt[k] and k != "vocab_size":
-            problems.append(f"{k} {t_txt[k]} vs {o_txt[k]}")
+    problems += architecture_differences(theirs, ours)
     if problems:
         arch = (theirs.get("architectures") or [theirs.get("model_type")])[0]
         raise StageError(
@@ -157,8 +145,9 @@ def _check_shapes(where: str, st: Path, inp: MergeInput, cfg, vocab: int) -> Non
         detail = "; ".join(
             ([f"modules missing in the base: {', '.join(sorted(set(missing))[:4])}"] if missing else []) + wrong[:3]
         )
+        hidden = getattr(cfg.get_text_config(), KEYS["hidden"], "?")
         raise StageError(
-            f"{where} does not fit base.model ({arch}, hidden_size {getattr(cfg.get_text_config(), 'hidden_size', '?')}): {detail}. "
+            f"{where} does not fit base.model ({arch}, hidden_size {hidden}): {detail}. "
             "It was trained for a different model; set base.model to the model it was trained on, or use an adapter trained on this base"
         )
 
