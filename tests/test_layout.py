@@ -72,3 +72,37 @@ def test_stages_never_import_each_other():
         for m in own:
             others = {d for d in imports_of(m) for o in stages - {s} if d == o or d.startswith(o + ".")}
             assert not others, f"{m} imports {others}: move what they share to quantpipe.common"
+
+
+CONFIG_DIMENSIONS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
+def test_model_shape_is_read_from_config_json_in_one_place():
+    """config.json's dimension keys are named only in common/shape.py (ModelShape): every other module asks it, so
+    the shape is parsed one way everywhere."""
+    home = PACKAGE_DIR / "common" / "shape.py"
+    found = []
+    for f in sorted(PACKAGE_DIR.rglob("*.py")):
+        if f == home:
+            continue
+        text = f.read_text()
+        found += [
+            f"{f.relative_to(PACKAGE_DIR)}: {q}{k}{q}" for k in CONFIG_DIMENSIONS for q in "\"'" if f"{q}{k}{q}" in text
+        ]
+    assert not found, f"config.json dimension keys outside common/shape.py (ask ModelShape instead): {found}"
+
+
+def test_model_shape_stays_in_the_common_layer():
+    """common/shape.py imports nothing from the stages, the runner, the reports or the CLI."""
+    higher = ("quantpipe.stages", "quantpipe.run", "quantpipe.report", "quantpipe.cli")
+    reached = {d for d in imports_of("quantpipe.common.shape") if d.startswith(higher)}
+    assert not reached, f"quantpipe.common.shape imports {reached}"
