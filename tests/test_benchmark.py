@@ -135,6 +135,28 @@ def test_cpu_engine_gets_the_base_dtype_and_a_kv_cache_size_only_when_the_recipe
     assert e["kv_cache_memory_bytes"] == 1 << 30 and notes == []
 
 
+def test_preflight_estimates_the_cpu_kv_cache_the_stage_allocates(tmp_path, monkeypatch):
+    """Pre-flight's CPU KV-cache term is what the benchmark stage gives vLLM: the longest workload at the highest
+    concurrency, and within a quarter of the free memory, a max_model_len shortened to the workloads' need."""
+    from quantpipe import preflight
+    from quantpipe.common.shape import ModelShape
+    from quantpipe.stages.benchmark import engine as engine_mod
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    config = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 32768}))
+    r = _recipe(tmp_path, concurrency=[1, 16])
+    inp = stage_input("benchmark", r, "baseline", tmp_path)
+    assert all(w.max_tokens for w in r.benchmark.workloads)
+    need = max(w.max_tokens for w in r.benchmark.workloads)
+    shape = ModelShape.read(tmp_path)
+    for ram in (64 << 30, 64 << 20):  # room for the model's whole context; room only for the workloads'
+        monkeypatch.setattr(engine_mod, "_available_bytes", lambda ram=ram: ram)
+        e, _ = effective_engine(inp.benchmark.engine, inp, tmp_path, CPU_AVX512, need_len=need)
+        assert preflight._cpu_kv(r.benchmark, r.benchmark.engine, shape, ram) == e["kv_cache_memory_bytes"]
+        assert ("max_model_len" in e) == (ram == 64 << 20)
+
+
 # --- fast: what can be served -----------------------------------------------------------------
 
 
