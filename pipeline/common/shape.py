@@ -7,7 +7,7 @@ parameter count comes from the safetensors headers where the weights are there, 
 
     from quantpipe.common.shape import ModelShape
     s = ModelShape.read("models/llama")           # None when config.json cannot be read
-    s.kv_bytes_per_token("fp8")                   # -> 65536
+    s.kv_bytes_per_token("fp8")                   # Llama-3-8B: 2 x 32 layers x 8 heads x 128 x 1 byte = 65536
 """
 
 from __future__ import annotations
