@@ -1,6 +1,7 @@
 """The recipe: one strict schema for everything `quantpipe run` does. YAML read safely (a key written twice is an
-error), validated by the pydantic v2 models of `schema.py`, `benchmark.py` and `methods.py`, relative paths resolved
-against the recipe's folder (`load.py`). `quantpipe check` validates without running, the files it names included:
+error), validated by the pydantic v2 models of `schema.py`, `benchmark.py` and `methods.py`, its path fields typed as
+paths (`paths.py`) and resolved against the recipe's folder (`load.py`). `quantpipe check` validates without running,
+the files it names included:
 
     quantpipe check recipes/demo.yaml
 """
@@ -21,8 +22,8 @@ from .methods import (
     _legacy_options,
     group_sizes,
 )
+from .paths import HUB_ID, LocalPathMarker, input_paths, path_values
 from .schema import (
-    HUB_ID,
     Adapter,
     Base,
     Calibration,
@@ -42,6 +43,7 @@ __all__ = [
     "GPTQ",
     "GROUPED",
     "HUB_ID",
+    "LocalPathMarker",
     "MAX_RECIPE_BYTES",
     "METHODS",
     "NAME",
@@ -68,7 +70,9 @@ __all__ = [
     "Workload",
     "_legacy_options",
     "group_sizes",
+    "input_paths",
     "json_schema",
     "load",
     "parse",
+    "path_values",
 ]

@@ -15,7 +15,8 @@ import yaml
 from pydantic import ValidationError
 
 from .methods import METHODS
-from .schema import HUB_ID, Recipe
+from .paths import HUB_ID, LocalPathMarker, input_paths, map_paths
+from .schema import Recipe
 
 MAX_RECIPE_BYTES = 1 << 20
 METHODS_TAGS = set(METHODS)
@@ -127,11 +128,12 @@ def _check_size(data: Any, source: str, limit: int = 100_000) -> None:
 
 
 def _resolve_paths(data: dict, root: Path) -> dict:
-    """Make the recipe's local paths absolute (relative to the recipe file's folder)."""
+    """Make the recipe's local paths absolute (relative to the recipe file's folder): every field typed as a path
+    (recipe/paths.py), a hub id left as it is where the field may hold one."""
 
-    def fix(p: str | None, field: str) -> str | None:
-        if p is None:
-            return None
+    def fix(p: str, field: str, marker: LocalPathMarker) -> str:
+        if marker.hub_id and not (p.startswith((".", "/", "~")) or _exists(root / p) or not HUB_ID.match(p)):
+            return p
         try:
             q = Path(p).expanduser()
         except RuntimeError:  # ~user of a user that does not exist: a relative path like any other
@@ -145,38 +147,7 @@ def _resolve_paths(data: dict, root: Path) -> dict:
         except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte: the file checks report it missing
             return os.path.abspath(root / q)
 
-    def listed(v) -> list:
-        return v if isinstance(v, list) else []  # anything else is the schema's to refuse
-
-    base = data.get("base")
-    if isinstance(base, dict) and isinstance(base.get("model"), str):
-        m = base["model"]
-        if m.startswith((".", "/", "~")) or _exists(root / m) or not HUB_ID.match(m):
-            base["model"] = fix(m, "base.model")
-    for i, a in enumerate(listed(data.get("adapters"))):
-        if isinstance(a, dict) and isinstance(a.get("path"), str):
-            a["path"] = fix(a["path"], f"adapters.{i}.path")
-    cal = data.get("calibration")
-    if isinstance(cal, dict):
-        for i, s in enumerate(listed(cal.get("sources"))):
-            if isinstance(s, dict) and isinstance(s.get("path"), str):
-                s["path"] = fix(s["path"], f"calibration.sources.{i}.path")
-    ev = data.get("evaluation")
-    if isinstance(ev, dict):
-        if isinstance(ev.get("lm_eval"), dict) and isinstance(ev["lm_eval"].get("include_path"), str):
-            ev["lm_eval"]["include_path"] = fix(ev["lm_eval"]["include_path"], "evaluation.lm_eval.include_path")
-        val = ev.get("validation")
-        if isinstance(val, dict):
-            for k in ("path", "json_schema"):
-                if isinstance(val.get(k), str):
-                    val[k] = fix(val[k], f"evaluation.validation.{k}")
-        fid = ev.get("fidelity")
-        if isinstance(fid, dict) and isinstance(fid.get("path"), str):
-            fid["path"] = fix(fid["path"], "evaluation.fidelity.path")
-    for k in ("output_dir", "cache_dir"):
-        if isinstance(data.get(k), str):
-            data[k] = fix(data[k], k)
-    return data
+    return map_paths(data, Recipe, fix)
 
 
 def _exists(p: Path) -> bool:
@@ -186,62 +157,72 @@ def _exists(p: Path) -> bool:
         return False
 
 
+def _model_dir_problems(p: Path, field: str, allow_pickle: bool) -> list[str]:
+    if not (p / "config.json").is_file():
+        return [f"{field}: {p} has no config.json; point it at a Hugging Face model directory"]
+    has_st = any(p.glob("*.safetensors"))
+    has_bin = any(p.glob("*.bin")) or any(p.glob("*.pt"))
+    if not has_st and has_bin and not allow_pickle:
+        return [
+            f"{field}: {p} has only pickle (.bin) weights, which can run code when loaded; convert them to "
+            "safetensors or set base.allow_pickle: true if you trust the files"
+        ]
+    if not has_st and not has_bin:
+        return [f"{field}: {p} holds no weights (*.safetensors)"]
+    return []
+
+
+def _adapter_dir_problems(p: Path, field: str, allow_pickle: bool) -> list[str]:
+    if not (p / "adapter_config.json").is_file():
+        return [f"{field}: {p} is not a LoRA adapter (no adapter_config.json)"]
+    if (p / "adapter_model.safetensors").is_file():
+        return []
+    if (p / "adapter_model.bin").is_file():
+        if allow_pickle:
+            return []
+        return [
+            f"{field}: {p} has only a pickle adapter_model.bin; convert it to safetensors "
+            "or set base.allow_pickle: true if you trust it"
+        ]
+    return [f"{field}: {p} has no adapter_model.safetensors"]
+
+
+_HOLDS = {"model": _model_dir_problems, "adapter": _adapter_dir_problems}
+
+
+def _path_problems(value: str, field: str, marker: LocalPathMarker, allow_pickle: bool) -> list[str]:
+    """What is wrong with one input path the recipe names: missing, of the wrong kind or suffix, or not holding what
+    its field says it holds."""
+    hint = f"; {marker.hint}" if marker.hint else ""
+    if marker.is_dir:
+        p = Path(value)
+        if not p.is_dir():
+            alt = "; give a local model directory or a hub id (org/name)" if marker.hub_id else ""
+            return [f"{field}: {p} is not a directory{alt or hint}"]
+        return _HOLDS[marker.holds](p, field, allow_pickle) if marker.holds else []
+    if not Path(value).is_file():
+        return [f"{field}: {value} does not exist{hint}"]
+    if marker.suffixes and not value.endswith(marker.suffixes):
+        *most, last = marker.suffixes
+        return [f"{field}: {value} must be {', '.join(most)} or {last}" if most else f"{field}: {value} must be {last}"]
+    return []
+
+
 def _check_files(r: Recipe) -> list[str]:
-    """Problems with the files a recipe points at, found before anything runs."""
+    """Problems with the files a recipe points at, found before anything runs: every input path field (recipe/paths.py)."""
     problems = []
-    if r.base.is_local:
-        p = Path(r.base.model)
-        if not p.is_dir():
-            problems.append(f"base.model: {p} is not a directory; give a local model directory or a hub id (org/name)")
-        elif not (p / "config.json").is_file():
-            problems.append(f"base.model: {p} has no config.json; point it at a Hugging Face model directory")
-        else:
-            has_st = any(p.glob("*.safetensors"))
-            has_bin = any(p.glob("*.bin")) or any(p.glob("*.pt"))
-            if not has_st and has_bin and not r.base.allow_pickle:
-                problems.append(
-                    f"base.model: {p} has only pickle (.bin) weights, which can run code when loaded; convert them to "
-                    "safetensors or set base.allow_pickle: true if you trust the files"
-                )
-            elif not has_st and not has_bin:
-                problems.append(f"base.model: {p} holds no weights (*.safetensors)")
-        if r.base.revision is not None:
-            problems.append(
-                f"base.revision: applies to hub ids only, and base.model is the local directory {p}; remove it"
-            )
-    for i, a in enumerate(r.adapters):
-        p = Path(a.path)
-        if not p.is_dir():
-            problems.append(f"adapters.{i}.path: {p} is not a directory")
-        elif not (p / "adapter_config.json").is_file():
-            problems.append(f"adapters.{i}.path: {p} is not a LoRA adapter (no adapter_config.json)")
-        elif not (p / "adapter_model.safetensors").is_file():
-            if (p / "adapter_model.bin").is_file() and not r.base.allow_pickle:
-                problems.append(
-                    f"adapters.{i}.path: {p} has only a pickle adapter_model.bin; convert it to safetensors "
-                    "or set base.allow_pickle: true if you trust it"
-                )
-            elif not (p / "adapter_model.bin").is_file():
-                problems.append(f"adapters.{i}.path: {p} has no adapter_model.safetensors")
-    if r.calibration:
-        for i, s in enumerate(r.calibration.sources):
-            if s.path and not Path(s.path).is_file():
-                problems.append(f"calibration.sources.{i}.path: {s.path} does not exist")
-            elif s.path and not s.path.endswith((".jsonl", ".json", ".parquet")):
-                problems.append(f"calibration.sources.{i}.path: {s.path} must be .jsonl, .json or .parquet")
-    ev = r.evaluation
-    if ev.lm_eval and ev.lm_eval.include_path and not Path(ev.lm_eval.include_path).is_dir():
-        problems.append(f"evaluation.lm_eval.include_path: {ev.lm_eval.include_path} is not a directory")
-    if ev.validation:
-        if not Path(ev.validation.path).is_file():
-            problems.append(f"evaluation.validation.path: {ev.validation.path} does not exist")
-        if ev.validation.json_schema and not Path(ev.validation.json_schema).is_file():
-            problems.append(f"evaluation.validation.json_schema: {ev.validation.json_schema} does not exist")
-    if ev.fidelity and not Path(ev.fidelity.path).is_file():
-        problems.append(
-            f'evaluation.fidelity.path: {ev.fidelity.path} does not exist; point it at a JSONL file of held-out documents, one {{"text": ...}} per line'
-        )
+    for field, value, marker in input_paths(r):
+        problems += _path_problems(value, field, marker, r.base.allow_pickle)
     return problems
+
+
+def _revision_problems(r: Recipe) -> list[str]:
+    """A hub revision for a base model that turned out to be a local directory."""
+    if r.base.is_local and r.base.revision is not None:
+        return [
+            f"base.revision: applies to hub ids only, and base.model is the local directory {Path(r.base.model)}; remove it"
+        ]
+    return []
 
 
 # --- the recipe ------------------------------------------------------------------------------
@@ -273,7 +254,7 @@ def parse(text: str, root: Path, source: str = "recipe", check_files: bool = Tru
     except ValidationError as e:
         raise RecipeError(_format_error(e, source)) from None
     try:
-        problems = _check_files(recipe) if check_files else []
+        problems = _check_files(recipe) + _revision_problems(recipe) if check_files else []
     except OSError as e:  # a path the file system refuses (too long, no permission to look): name it
         raise RecipeError(
             f"{source}: cannot check a path it names: {e.strerror or e}: {e.filename!r}; fix that path"

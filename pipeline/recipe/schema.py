@@ -1,7 +1,7 @@
 """The recipe's schema: pydantic v2 models, strict (unknown keys are errors), with the defaults a user would pick.
 Checked from the recipe alone; what needs the files it names (their rows, the model's config.json, lm-eval's task
-index) is checked by `quantpipe.inputs`. Methods: `methods.py`; the benchmark section: `benchmark.py`. `quantpipe
-schema` prints the JSON schema:
+index) is checked by `quantpipe.inputs`. Methods: `methods.py`; the benchmark section: `benchmark.py`; path fields'
+types: `paths.py`. `quantpipe schema` prints the JSON schema:
 
     from quantpipe.recipe import Recipe
     Recipe.model_validate({"name": "t", "output_dir": "out", "base": {"model": "m"}, "artifacts": [{"name": "f", "method": "fp8"}]})
@@ -10,22 +10,19 @@ schema` prints the JSON schema:
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from .benchmark import Benchmark, _repeated
 from .methods import NAME, Artifact, Strict
-
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
+from .paths import AdapterDir, LocalDir, LocalFile, LocalPathMarker, ModelDir, Place, is_local
 
 # --- model and adapters -----------------------------------------------------------------------
 
 
 class Base(Strict):
-    model: str = Field(description="Local model directory, or a hub id (org/name) where a network is available.")
+    model: ModelDir = Field(description="Local model directory, or a hub id (org/name) where a network is available.")
     revision: str | None = Field(None, description="Hub revision (hub ids only).")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     trust_remote_code: bool = Field(
@@ -35,19 +32,22 @@ class Base(Strict):
 
     @property
     def is_local(self) -> bool:
-        return Path(self.model).exists() or not HUB_ID.match(self.model)
+        return is_local(self.model)
 
 
 class Adapter(Strict):
-    path: str = Field(description="LoRA adapter directory (adapter_config.json + adapter_model.safetensors).")
+    path: AdapterDir = Field(description="LoRA adapter directory (adapter_config.json + adapter_model.safetensors).")
     weight: float = Field(1.0, gt=0, le=10, description="Scale applied to this adapter when merging.")
 
 
 # --- calibration ------------------------------------------------------------------------------
 
 
+CalibrationFile = Annotated[str, LocalPathMarker(is_dir=False, suffixes=(".jsonl", ".json", ".parquet"))]
+
+
 class CalibrationSource(Strict):
-    path: str | None = Field(
+    path: CalibrationFile | None = Field(
         None, description="Local .jsonl, .json or .parquet file with a `text` field or chat `messages`."
     )
     dataset: str | None = Field(None, description="Hub dataset id (needs a network).")
@@ -78,7 +78,7 @@ class Calibration(Strict):
 
 class LmEval(Strict):
     tasks: list[str] = Field(min_length=1)
-    include_path: str | None = Field(None, description="Folder of local task YAMLs (offline tasks).")
+    include_path: LocalDir | None = Field(None, description="Folder of local task YAMLs (offline tasks).")
     trust_task_code: bool = Field(
         False,
         description="Let include_path's task YAMLs run Python (`!function`, `class:`). Off unless you trust the folder.",
@@ -114,17 +114,25 @@ class LmEval(Strict):
 
 
 class Validation(Strict):
-    path: str = Field(description="JSONL with `prompt` (or chat `messages`) and `reference` per row.")
+    path: LocalFile = Field(description="JSONL with `prompt` (or chat `messages`) and `reference` per row.")
     metric: Literal["exact_match", "contains", "regex", "json_valid"] = "exact_match"
     max_new_tokens: int = Field(32, ge=1, le=4096)
     stop: list[str] = Field(
         default_factory=list, description='Cut each output at the first of these strings (e.g. ["\\n"]) before scoring.'
     )
-    json_schema: str | None = Field(None, description="JSON schema file the output must match (metric json_valid).")
+    json_schema: LocalFile | None = Field(
+        None, description="JSON schema file the output must match (metric json_valid)."
+    )
+
+
+HeldoutFile = Annotated[
+    str,
+    LocalPathMarker(is_dir=False, hint='point it at a JSONL file of held-out documents, one {"text": ...} per line'),
+]
 
 
 class Fidelity(Strict):
-    path: str = Field(
+    path: HeldoutFile = Field(
         description='JSONL of held-out documents, one `{"text": ...}` per line, on which the artifact\'s next-token '
         "distributions are compared with the baseline's (KL, top-1 agreement, perplexity)."
     )
@@ -296,8 +304,8 @@ class Recipe(Strict):
         max_length=2000,
         description="Shown at the top of the report and of each package's model card: what a reader must know about this build (e.g. that the weights are random, so accuracy figures mean nothing).",
     )
-    output_dir: str = Field(description="Where runs, packages and reports go (relative to the recipe file).")
-    cache_dir: str | None = Field(None, description="Stage cache (default: $QUANTPIPE_CACHE or ~/.cache/quantpipe).")
+    output_dir: Place = Field(description="Where runs, packages and reports go (relative to the recipe file).")
+    cache_dir: Place | None = Field(None, description="Stage cache (default: $QUANTPIPE_CACHE or ~/.cache/quantpipe).")
     base: Base
     adapters: list[Adapter] = Field(default_factory=list)
     calibration: Calibration | None = None

@@ -13,7 +13,7 @@ from ..cache import hash_json
 from ..common.compute import compute_dtype
 from ..common.nvidia import visible_gpus
 from ..envs import hardware_key, lock_hash, source_hash, stage_env
-from ..recipe import Recipe, Strict
+from ..recipe import Recipe, Strict, input_paths
 from ..stages.contract import BenchmarkInput, EvaluateInput, MergeInput, PackageInput, QuantizeInput
 
 
@@ -166,23 +166,9 @@ def build_steps(recipe: Recipe, base_dir: str) -> list[Step]:
 
 
 def local_paths(recipe: Recipe, base_dir: str) -> set[str]:
-    """Every local file or directory the recipe names: in a stage's key each one counts by its content, not its path."""
-    ev = recipe.evaluation
-    paths = {base_dir, *(a.path for a in recipe.adapters)}
-    paths |= {s.path for s in (recipe.calibration.sources if recipe.calibration else []) if s.path}
-    paths |= {
-        p
-        for p in (
-            ev.validation.path if ev.validation else None,
-            ev.validation.json_schema if ev.validation else None,
-            ev.lm_eval.include_path if ev.lm_eval else None,
-            ev.fidelity.path if ev.fidelity else None,
-        )
-        if p
-    }
-    if recipe.base.is_local:
-        paths.add(recipe.base.model)
-    return paths
+    """Every local file or directory the recipe reads, found by walking its path-typed fields (recipe/paths.py), and the
+    base directory: in a stage's key each one counts by its content, not its path. Places it writes to do not count."""
+    return {base_dir} | {value for _, value, _ in input_paths(recipe)}
 
 
 def _by_content(value, paths: set[str], hasher):
