@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .common.links import inside, real_path
+
 CACHE_WRITES = (
     "stages",
     "tmp",
@@ -39,18 +41,6 @@ def inputs(recipe) -> list[tuple[str, Path]]:
         if ev.validation.json_schema:
             out.append(("evaluation.validation.json_schema", Path(ev.validation.json_schema)))
     return out
-
-
-def _real(p: Path) -> Path:
-    """The path with every link that exists resolved (a folder yet to be made resolves through its existing parents)."""
-    try:
-        return Path(os.path.realpath(p))
-    except (OSError, ValueError):
-        return Path(os.path.abspath(p))
-
-
-def _within(a: Path, b: Path) -> bool:
-    return a == b or b in a.parents
 
 
 def _same(p: Path) -> str:
@@ -86,26 +76,26 @@ def problems(recipe) -> list[str]:
         else f"the stage cache ({'$QUANTPIPE_CACHE' if os.environ.get('QUANTPIPE_CACHE') else 'default'})"
     )
     out = [p for p in (_creatable("output_dir", out_dir), _creatable(cache_field, cache)) if p]
-    real_out, real_cache = _real(out_dir), _real(cache)
+    real_out, real_cache = real_path(out_dir), real_path(cache)
     for field, path in inputs(recipe):
-        real = _real(path)
-        if _within(real_out, real):
+        real = real_path(path)
+        if inside(real_out, real):
             out.append(
                 f"output_dir: {out_dir} is {_same(path) if real_out == real else 'inside'} {field} ({path}); a run would "
                 "write runs/ and packages/ into your input (changing its content hash, so later runs miss the cache): "
                 "put output_dir outside it"
             )
-        elif _within(real, real_out):
+        elif inside(real, real_out):
             out.append(
                 f"output_dir: {out_dir} contains {field} ({path}); a run writes runs/ and packages/ there, beside your input: "
                 "put output_dir in a folder of its own, or move the input out"
             )
-        if _within(real_cache, real):
+        if inside(real_cache, real):
             out.append(
                 f"{cache_field}: {cache} is {_same(path) if real_cache == real else 'inside'} {field} ({path}); the stage "
                 "cache would write into your input: set cache_dir (or $QUANTPIPE_CACHE) to a folder outside it"
             )
-        elif any(_within(real, real_cache / w) for w in CACHE_WRITES):
+        elif any(inside(real, real_cache / w) for w in CACHE_WRITES):
             out.append(
                 f"{field}: {path} is inside the stage cache's own entries ({cache}), which are replaced and swept as runs "
                 "go; copy it out of the cache and point the recipe at the copy"

@@ -15,21 +15,22 @@ import os
 from pathlib import Path
 
 
-def _real(p: Path) -> Path:
+def real_path(p: Path) -> Path:
+    """The path with every link that exists resolved (a folder yet to be made resolves through its existing parents)."""
     try:
         return Path(os.path.realpath(p))
     except (OSError, ValueError):
         return Path(os.path.abspath(p))
 
 
-def _inside(p: Path, root: Path) -> bool:
+def inside(p: Path, root: Path) -> bool:
     return p == root or root in p.parents
 
 
 def allowed_roots(root: Path) -> list[Path]:
     """Where links in `root` may point: the folder itself, and for a hub-cache snapshot
     (`models--org--name/snapshots/<rev>`) its repository's `blobs/`."""
-    real = _real(root)
+    real = real_path(root)
     roots = [real]
     if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
         roots.append(real.parent.parent / "blobs")
@@ -49,8 +50,8 @@ def escaping_links(root: Path) -> list[tuple[Path, Path]]:
         for name in dirnames + sorted(f for f in filenames if not f.startswith(".")):
             p = Path(dirpath) / name
             if p.is_symlink():
-                target = _real(p)
-                if not any(_inside(target, r) for r in roots):
+                target = real_path(p)
+                if not any(inside(target, r) for r in roots):
                     out.append((p, target))
     return out
 
