@@ -259,7 +259,7 @@ def test_one_run_uses_both_simulated_gpus_and_keeps_benchmarks_alone(tiny, tmp_p
     assert all(s["status"] == "ok" for s in stages.values()), {
         k: s.get("error") for k, s in stages.items() if s["status"] != "ok"
     }
-    assert rec["scheduler"] == {"gpus": ["0", "1"], "jobs": 4}
+    assert rec["scheduler"] == {"gpus": ["0", "1"], "jobs": 4, "gpu_memory_gib": None}
     deps = {"quantize": ["merge"], "evaluate": ["merge"], "benchmark": ["merge"], "package": ["merge"]}
     for sid, s in stages.items():
         kind, _, art = sid.partition(":")
