@@ -51,14 +51,18 @@ def problems(recipe) -> list[str]:
     return out
 
 
+def _input_folders(recipe, model_dir: Path | None) -> list[tuple[str, Path]]:
+    """(recipe field, folder) of the base model (when local) and each adapter: the folders other people hand over."""
+    folders = [("base.model", model_dir)] if model_dir is not None else []
+    return folders + [(f"adapters.{i}.path", Path(a.path)) for i, a in enumerate(recipe.adapters)]
+
+
 def _link_problems(recipe, model_dir: Path | None) -> list[str]:
     """Links in the base model or an adapter folder whose target lies outside it (common/links.py)."""
     from .common.links import escape_sentence, escaping_links
 
-    folders = [("base.model", model_dir)] if model_dir is not None else []
-    folders += [(f"adapters.{i}.path", Path(a.path)) for i, a in enumerate(recipe.adapters)]
     out = []
-    for field, folder in folders:
+    for field, folder in _input_folders(recipe, model_dir):
         links = escaping_links(folder)
         if links:
             out.append(escape_sentence(field, folder, links))
@@ -69,10 +73,8 @@ def _weight_problems(recipe, model_dir: Path | None) -> list[str]:
     """safetensors files of the base model and the adapters whose size or byte ranges disagree with their own header."""
     from .common.safetensors import damage
 
-    folders = [("base.model", model_dir)] if model_dir is not None else []
-    folders += [(f"adapters.{i}.path", Path(a.path)) for i, a in enumerate(recipe.adapters)]
     out = []
-    for field, folder in folders:
+    for field, folder in _input_folders(recipe, model_dir):
         for f in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
             why = damage(f)
             if why:
