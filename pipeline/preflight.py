@@ -18,7 +18,7 @@ from pathlib import Path
 from .common.compute import compute_dtype
 from .common.nvidia import nvidia_smi, visible_gpus
 from .common.shape import ModelShape
-from .common.vllm_support import GPU_OVERHEAD_BYTES, KV_HEADROOM, cpu_kv_bytes, gpu_kv_bytes
+from .common.vllm_support import GPU_OVERHEAD_BYTES, cpu_kv_bytes, eval_kv_bytes, gpu_kv_bytes
 from .run.publish import unpublished
 
 GIB = 2**30
@@ -165,7 +165,7 @@ def eval_server_terms(util: float | None, m: ModelShape, weights: int, gpu: dict
     if util is not None:
         return {f"gpu_memory_utilization {util:g} of {card / GIB:.1f} GiB": int(util * card), "_needs": weights}
     over, how = gpu.get("server_overhead_bytes") or GPU_OVERHEAD_BYTES, gpu.get("server_overhead_from") or "default"
-    kv = int(m.kv_bytes_per_token(None) * (m.max_len or 2048) * KV_HEADROOM)
+    kv = eval_kv_bytes(m.kv_bytes_per_token(None) or 0, m.max_len)
     return {"weights": weights, "KV cache": kv, f"CUDA graphs, activations, context ({how})": over}
 
 

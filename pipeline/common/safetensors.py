@@ -80,3 +80,8 @@ def param_count(files) -> int | None:
         except (OSError, ValueError, TypeError, KeyError, AttributeError):
             return None
     return total or None
+
+
+def weights_bytes(model_dir: Path) -> int:
+    """The bytes of a model directory's safetensors shards: what its weights take on disk and, loaded, about in memory."""
+    return sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))

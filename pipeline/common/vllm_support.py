@@ -210,3 +210,8 @@ def gpu_start_share(engine: dict, weights_bytes: int, plat: dict) -> float | Non
     granted = os.environ.get(GPU_BYTES_ENV, "")
     need = int(granted) if granted.isdigit() else weights_bytes + engine["kv_cache_memory_bytes"] + GPU_OVERHEAD_BYTES
     return gpu_utilization(need, total)
+
+
+def eval_kv_bytes(bytes_per_token: int, max_len: int | None) -> int:
+    """The KV cache of an evaluation's own GPU server: one sequence of the model's full length with KV_HEADROOM."""
+    return max(DEFAULT_CPU_KV_BYTES, math.ceil(bytes_per_token * (max_len or 2048) * KV_HEADROOM / 2**20) * 2**20)

@@ -12,6 +12,7 @@ import json
 import os
 from pathlib import Path
 
+from ...common.safetensors import weights_bytes
 from ...common.shape import ModelShape
 from ...common.vllm_support import KV_HEADROOM, cpu_kv_bytes, gpu_kv_bytes, gpu_start_share
 from ...recipe import Adapter, Engine
@@ -80,10 +81,6 @@ def _gpu_memory(e: dict, engine: Engine, inp: BenchmarkInput, model_dir: Path, p
             "vLLM checks is free at start-up, so it is the memory this server was granted"
         )
     return notes
-
-
-def weights_bytes(model_dir: Path) -> int:
-    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
 
 
 def _available_bytes() -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ...common.safetensors import weights_bytes
+
 
 def _metric(m: dict, *names: str) -> float | None:
     for n in names:
@@ -71,7 +73,7 @@ def kv_gib(m: dict) -> float | None:
 
 
 def weights_gib(model_dir: Path) -> float:
-    return round(sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors")) / 2**30, 4)
+    return round(weights_bytes(model_dir) / 2**30, 4)
 
 
 def loaded_weights_gib(log_text: str) -> float | None:

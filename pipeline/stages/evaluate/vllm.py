@@ -92,11 +92,12 @@ def own_engine(
     vLLM has no kernel for the checkpoint's scheme on this machine."""
     # What vLLM can run here and the CPU KV-cache size, decided as for the benchmark stage (common.vllm_support).
     # Not in this stage's cache key: they decide a refusal, never cached, and a KV-cache size, which moves no figure.
+    from ...common.safetensors import weights_bytes
     from ...common.shape import ModelShape
     from ...common.vllm_support import (
         DEFAULT_CPU_KV_BYTES,
-        KV_HEADROOM,
         engine_flags,
+        eval_kv_bytes,
         gpu_start_share,
         probe_platform,
         quant_scheme,
@@ -123,11 +124,10 @@ def own_engine(
     elif le is not None and le.gpu_memory_utilization is not None:
         engine["gpu_memory_utilization"] = le.gpu_memory_utilization
     elif plat["platform"] == "cuda":  # sized as pre-flight and the scheduler count it (preflight.eval_server_terms)
-        bpt = (shape.kv_bytes_per_token(None) if shape else None) or 0
-        need = bpt * (max_len or 2048) * KV_HEADROOM
-        engine["kv_cache_memory_bytes"] = max(DEFAULT_CPU_KV_BYTES, math.ceil(need / 2**20) * 2**20)
-        weights = sum(p.stat().st_size for p in Path(src).glob("*.safetensors"))
-        share = gpu_start_share(engine, weights, plat)
+        engine["kv_cache_memory_bytes"] = eval_kv_bytes(
+            (shape.kv_bytes_per_token(None) if shape else None) or 0, max_len
+        )
+        share = gpu_start_share(engine, weights_bytes(src), plat)
         if share:
             engine["gpu_memory_utilization"] = share
     return engine_flags(engine), {"engine": engine, "platform": plat, "scheme": scheme}

@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 from ...common.methods import scheme_name
+from ...common.safetensors import weights_bytes
 
 # Copied verbatim from the merged model: what a user of the artifact needs besides the weights.
 SIDE_FILES = (
@@ -35,10 +36,6 @@ def seed_everything(seed: int) -> None:
 
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
-def weights_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
 
 
 def output_metrics(a, src: Path, out: Path, provenance: dict) -> dict:
